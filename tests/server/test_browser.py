@@ -391,6 +391,8 @@ def test_the_demo_page_shows_the_live_and_the_shadow_answers_side_by_side(
                                                                                                    ".side")]
         assert bars == [len(answers["1"]["top_k"]), len(answers["2"]["top_k"])]
         assert element.find_element(By.CSS_SELECTOR, ".verdict").text == _verdict(live_label, candidate_label), cards
+        assert [b.get_attribute("aria-label") for b in element.find_elements(By.CSS_SELECTOR, ".side button.why")] == [
+            f"Why {live_label}, version 1?", f"Why {candidate_label}, version 2?"]  # named apart (a trial)
 
     bad = tmp_path / "notes.jpg"
     bad.write_text("not a photo")

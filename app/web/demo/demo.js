@@ -388,6 +388,10 @@ function offerExplanation(body, file, target, top) {
   button.type = "button";
   button.className = "why";
   button.textContent = `Why ${top.label}?`;
+  // a rollout's two sides each have one: named apart for a screen reader (the same text twice, before)
+  if (answerHolder(body).classList.contains("side")) {
+    button.setAttribute("aria-label", `Why ${top.label}, version ${target.version}?`);
+  }
   button.addEventListener("click", () => explainInto(holder, button, file, target, top));
   answerHolder(body).append(button, holder);
 }
