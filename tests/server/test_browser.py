@@ -167,6 +167,29 @@ def test_the_demo_page_shows_each_photos_error(browser, fake_url: str, tmp_path:
     assert browser.execute_script("return document.activeElement.className") == "why"
 
 
+def test_the_demo_page_says_a_wrong_number_of_classes_on_its_field_and_sends_nothing(  # noqa: ANN001
+        browser, fake_url: str, tmp_path: Path) -> None:
+    # Before: "Classes per photo" of 0 sent every photo, and each card said the server's 400 again, the field not
+    # marked (an accessibility trial)
+    from selenium.webdriver.common.by import By
+
+    photo = tmp_path / "red.jpg"
+    photo.write_bytes(image_bytes(RED, size=(64, 48)))
+    browser.get(fake_url + "/")
+    top_k = browser.find_element(By.ID, "top-k")
+    top_k.send_keys("0")
+    browser.find_element(By.ID, "files").send_keys(str(photo))
+    assert _cards(browser) == 0
+    assert browser.find_element(By.ID, "notice").text.startswith("Classes per photo must be a whole number, 1 or more")
+    assert top_k.get_attribute("aria-invalid") == "true" and browser.execute_script(
+        "return document.activeElement.id") == "top-k"
+    top_k.clear()
+    top_k.send_keys("2")
+    (card,) = _pick(browser, None, photo)
+    assert len(browser.find_elements(By.CSS_SELECTOR, ".card .bar")) == 2 and top_k.get_attribute("aria-invalid") == \
+        "false" and browser.find_element(By.ID, "notice").text == ""
+
+
 @pytest.mark.parametrize("secret", ["s3cret", "clé-密钥"])
 def test_the_demo_page_asks_for_the_api_key(browser, settings, predictor, tmp_path: Path,  # noqa: ANN001
                                             secret: str) -> None:

@@ -508,7 +508,23 @@ function classify(file) {
   return answerInto(card(file), file, picked);
 }
 
+function topKProblem() {
+  // What is wrong with "Classes per photo" as typed (null: empty, the server's default, or a whole number of 1 or
+  // more), said on the field too (aria-invalid). Before, each photo's card said the server's 400 again.
+  const input = $("top-k"), value = input.value.trim();
+  const fine = input.validity.valid && (value === "" || /^[1-9][0-9]*$/.test(value));
+  input.setAttribute("aria-invalid", String(!fine));
+  return fine ? null : "Classes per photo must be a whole number, 1 or more (or empty: the server's default); " +
+                       "then pick the photos again.";
+}
+
 function classifyAll(files) {
+  const problem = topKProblem();
+  if (problem) {  // nothing sent: the field says what to fix, and has the focus
+    notice.textContent = problem;
+    $("top-k").focus();
+    return;
+  }
   keyChanged();  // a key typed, the box not left: the models read with it (the photos are sent with it anyway)
   notice.textContent = "";
   const names = Array.from(files, (file) => file.name);
