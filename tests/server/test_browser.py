@@ -233,6 +233,7 @@ def test_the_demo_page_says_the_models_load_and_shows_them_once_loaded(browser, 
         line = browser.find_element(By.ID, "model")
         WebDriverWait(browser, 30).until(lambda _: "503 not_ready" in line.text)
         assert "the model is still loading · asking again in" in line.text, line.text
+        assert line.get_attribute("role") == "status"  # read out (before: silent to a screen reader; a trial)
         loading.loaded()
         WebDriverWait(browser, 60).until(lambda _: line.text.startswith("colour version 1 · 4 classes"))
         assert _picked(browser) == ("colour", ["1"], "1")

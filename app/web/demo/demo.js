@@ -125,13 +125,20 @@ function describeRollout() {
   if (rolloutLine.textContent !== text) rolloutLine.textContent = text;  // a live region: read when it changes
 }
 
+function sayModel(text) {
+  // The model line: a status, read out when it changes (the models chosen, or why they cannot show: loading, no
+  // answer, the key); written only then, so an unchanged "asking again" is not read out again.
+  const line = $("model");
+  if (line.textContent !== text) line.textContent = text;
+}
+
 function describeChoice() {
   const pair = chosenPair();
   const model = pair ? pair.live : served.find((m) => m.name === modelPick.value && m.version === versionPick.value);
   const versions = pair ? `versions ${pair.live.version} (live) and ${pair.candidate.version} (${pair.role} candidate)`
                         : `version ${model && model.version}`;
-  $("model").textContent = model ? `${model.name} ${versions} · ${model.num_classes} classes · ` +
-                                   `${model.device}` : "This server serves no model.";
+  sayModel(model ? `${model.name} ${versions} · ${model.num_classes} classes · ${model.device}`
+                 : "This server serves no model.");
   describeRollout();
 }
 
@@ -201,7 +208,7 @@ async function describeModels(fromKey = false) {
     const auth = headers();
     const response = await fetch("/v1/models", { headers: auth });
     if (response.status === 401) {
-      $("model").textContent = "The models show once the server takes the API key.";
+      sayModel("The models show once the server takes the API key.");
       return needKey("Authorization" in auth, "", !fromKey);
     }
     keyTaken();
@@ -209,7 +216,7 @@ async function describeModels(fromKey = false) {
     try { body = await response.json(); } catch (_) { /* not JSON: reported as it is */ }
     if (!response.ok || !body || !Array.isArray(body.models)) {
       const again = retryModels(response.status, response.headers.get("Retry-After"));
-      $("model").textContent = errorText(response.status, body) + again;
+      sayModel(errorText(response.status, body) + again);
       return;
     }
     const before = modelPick.disabled ? null : modelPick.value, pinned = pinnedVersion();
@@ -222,7 +229,7 @@ async function describeModels(fromKey = false) {
     modelPick.disabled = names.length === 0;
     fillVersions(chosen === before ? pinned : null);
   } catch (err) {
-    $("model").textContent = "The server did not answer: " + err + retryModels(null, null);
+    sayModel("The server did not answer: " + err + retryModels(null, null));
   }
 }
 
