@@ -5,9 +5,9 @@ made meanwhile waited in the listen backlog. ``StartingApp`` is what gunicorn lo
 starts a thread that imports and builds the real app, answers every request at once until that app exists, then
 passes every request to it, in the same worker, with no restart and no connection dropped.
 
-Meanwhile it answers as the real app does while its model loads: ``/healthz`` and ``/v2/health/live`` 200,
-``/readyz``, ``/v2/health/ready`` and a model's V2 readiness (``{"name": ..., "ready": false}``) 503, everything
-else ``503 not_ready`` with ``Retry-After`` (the OpenAPI document lists it on every operation), in the error
+Meanwhile it answers as the real app does while its model loads: ``/healthz`` and ``/v2/health/live`` 200, ``/v2``
+the server's metadata, ``/readyz``, ``/v2/health/ready`` and a model's V2 readiness (``{"name": ..., "ready":
+false}``) 503, everything else ``503 not_ready`` with ``Retry-After`` (the OpenAPI document lists it on every operation), in the error
 shape of the path (``{"error": "<message>"}`` under /v2), with an ``X-Request-ID`` and one access-log line. It
 checks no API key (its answers hold nothing but "starting"), and closes the connection after a body it cannot have
 read (chunked, over ``max_body_bytes``, or sent after ``100 Continue``). Its answers are counted as the app counts
@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
+from app import __version__
 from app.hosting.request_framing import error_body, request_id_of
 from app.logs import ACCESS_LOGGER
 
@@ -43,6 +44,12 @@ PROBES: dict[str, tuple[int, dict[str, Any]]] = {
                                                         "accepting": True}}),
     "/v2/health/live": (200, {"live": True}),
     "/v2/health/ready": (503, {"ready": False}),
+}
+V2_EXTENSIONS = ["classification", "binary_tensor_data", "model_repository"]  # app.v2.routes.EXTENSIONS (a test
+# keeps them equal)
+# Answered as the app answers them whatever its models' state, and not probes: the V2 server's metadata.
+ANSWERED: dict[str, tuple[int, dict[str, Any]]] = {
+    "/v2": (200, {"name": "visionserve", "version": __version__, "extensions": V2_EXTENSIONS}),
 }
 _REASONS = {200: "OK", 503: "Service Unavailable"}
 
@@ -77,8 +84,8 @@ _MODEL_READY = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?/ready")
 def starting_answer(environ: dict[str, Any], request_id: str) -> tuple[int, dict[str, Any], dict[str, str]]:
     """Status, JSON body and extra headers for a request that arrives before the app exists."""
     path = environ.get("PATH_INFO", "")
-    if path in PROBES:
-        status, body = PROBES[path]
+    if path in PROBES or path in ANSWERED:
+        status, body = PROBES.get(path) or ANSWERED[path]
         return status, body, {}
     if (model := _MODEL_READY.fullmatch(path)) is not None:
         return 503, {"name": model[1], "ready": False}, {}
@@ -174,7 +181,8 @@ class StartingApp:
         self._note(probe, path, status)
         access_log.log(logging.DEBUG if probe else logging.INFO, "request", extra={
             "request_id": said_id, "client": environ.get("REMOTE_ADDR"), "method": environ.get("REQUEST_METHOD"),
-            "route": "starting", "path": path, "status": status, "error": None if probe else "not_ready",
+            "route": "starting", "path": path, "status": status,
+            "error": None if status < 400 or probe else "not_ready",
             "duration_ms": round((time.perf_counter() - started) * 1000, 2)})
         return [data]
 

@@ -18,7 +18,8 @@ from app.hosting.starting import RETRY_AFTER_S, StartingApp
 
 PATHS = [("GET", "/healthz"), ("GET", "/readyz"), ("GET", "/v2/health/live"), ("GET", "/v2/health/ready"),
          ("POST", "/predict"), ("GET", "/v1/models"), ("POST", "/v2/models/mine/infer"), ("GET", "/v2/models/mine"),
-         ("GET", "/v2/models/mine/ready"), ("GET", "/v2/models/mine/versions/1/ready")]  # before: the error shape
+         ("GET", "/v2/models/mine/ready"), ("GET", "/v2/models/mine/versions/1/ready"),  # before: the error shape
+         ("GET", "/v2")]  # before: 503, where the loading app gives the server's metadata (tritonclient's first call)
 
 
 class Gate:
@@ -177,6 +178,13 @@ def test_it_answers_as_the_loading_app_does(loading_app: Any, gate: Gate) -> Non
         assert ours.json == theirs.json, path
         for header in ("Content-Type", "Retry-After", "X-Request-ID", "Connection"):
             assert ours.headers.get(header) == theirs.headers.get(header), (path, header)
+
+
+def test_the_v2_extensions_said_while_starting_are_the_app_s() -> None:
+    from app.hosting.starting import V2_EXTENSIONS
+    from app.v2.routes import EXTENSIONS
+
+    assert V2_EXTENSIONS == EXTENSIONS
 
 
 def test_a_request_id_with_a_final_newline_is_not_kept() -> None:
