@@ -183,8 +183,10 @@ def test_the_demo_page_says_a_wrong_number_of_classes_on_its_field_and_sends_not
     assert browser.find_element(By.ID, "notice").text.startswith("Classes per photo must be a whole number, 1 or more")
     assert top_k.get_attribute("aria-invalid") == "true" and browser.execute_script(
         "return document.activeElement.id") == "top-k"
+    assert top_k.get_attribute("aria-describedby") == "notice"  # the field says why it is wrong
     top_k.clear()
-    top_k.send_keys("2")
+    top_k.send_keys("2")  # put right: no longer marked, nor said
+    assert top_k.get_attribute("aria-invalid") == "false" and browser.find_element(By.ID, "notice").text == ""
     (card,) = _pick(browser, None, photo)
     assert len(browser.find_elements(By.CSS_SELECTOR, ".card .bar")) == 2 and top_k.get_attribute("aria-invalid") == \
         "false" and browser.find_element(By.ID, "notice").text == ""
@@ -404,26 +406,35 @@ def test_the_demo_page_shows_the_live_and_the_shadow_answers_side_by_side(
     assert (most["live"], most["candidate"]) in top1
 
     cards = _pick(browser, None, *photos)
-    for element, answers, (live_label, candidate_label) in zip(browser.find_elements(By.CSS_SELECTOR, ".card"),
-                                                               direct, top1):
-        assert [h.text for h in element.find_elements(By.CSS_SELECTOR, ".side h3")] == [
+    for element, answers, (live_label, candidate_label), photo_name in zip(
+            browser.find_elements(By.CSS_SELECTOR, ".card"), direct, top1, [photo.name for photo in photos]):
+        # (each side's heading, and the verdict, begin with the photo's name for a screen reader: visually hidden,
+        # a line of its own in selenium's text)
+        assert [h.text.splitlines()[-1] for h in element.find_elements(By.CSS_SELECTOR, ".side h3")] == [
             "Live · version 1", "Candidate (shadow) · version 2"]
         live, candidate = (side.text for side in element.find_elements(By.CSS_SELECTOR, ".side"))
-        assert live.splitlines()[1] == live_label and "mine version 1 · " in live and "inference" in live, live
-        assert candidate.splitlines()[1] == candidate_label and "mine version 2 · " in candidate, candidate
+        assert live.splitlines()[2] == live_label and "mine version 1 · " in live and "inference" in live, live
+        assert candidate.splitlines()[2] == candidate_label and "mine version 2 · " in candidate, candidate
         bars = [len(side.find_elements(By.CSS_SELECTOR, ".bar")) for side in element.find_elements(By.CSS_SELECTOR,
                                                                                                    ".side")]
         assert bars == [len(answers["1"]["top_k"]), len(answers["2"]["top_k"])]
-        assert element.find_element(By.CSS_SELECTOR, ".verdict").text == _verdict(live_label, candidate_label), cards
+        assert element.find_element(By.CSS_SELECTOR, ".verdict").text.splitlines()[-1] == _verdict(
+            live_label, candidate_label), cards
         assert [b.get_attribute("aria-label") for b in element.find_elements(By.CSS_SELECTOR, ".side button.why")] == [
-            f"Why {live_label}, version 1?", f"Why {candidate_label}, version 2?"]  # named apart (a trial)
+            f"Why {live_label}? (version 1)", f"Why {candidate_label}? (version 2)"]  # named apart (a trial)
+        # each side and the verdict heard with the photo's name (the card's heading; a second trial)
+        assert [h.get_attribute("textContent") for h in element.find_elements(By.CSS_SELECTOR, ".side h3")] == [
+            f"{photo_name}: Live · version 1", f"{photo_name}: Candidate (shadow) · version 2"]
+        assert element.find_element(By.CSS_SELECTOR, ".verdict").get_attribute("textContent").startswith(
+            f"{photo_name}: Top-1 ")
 
     bad = tmp_path / "notes.jpg"
     bad.write_text("not a photo")
     _pick(browser, None, bad)  # both requests fail: each side says why
     errors = browser.find_elements(By.CSS_SELECTOR, ".card")[3]
     assert [side.text.count("400 invalid_image") for side in errors.find_elements(By.CSS_SELECTOR, ".side")] == [1, 1]
-    assert errors.find_element(By.CSS_SELECTOR, ".verdict").text == "Top-1 not compared: neither version answered."
+    assert errors.find_element(By.CSS_SELECTOR, ".verdict").text.splitlines()[-1] == \
+        "Top-1 not compared: neither version answered."
 
     Select(browser.find_element(By.ID, "version-pick")).select_by_value("2")  # pinned: that version alone
     assert browser.find_element(By.ID, "model").text.startswith("mine version 2 · 3 classes")
@@ -681,15 +692,28 @@ def test_the_demo_page_says_a_key_was_refused_and_reads_the_models_with_the_key_
             # back to the box 1.5 s later; an accessibility trial)
             key.send_keys(Keys.BACKSPACE * 5 + "nope" + Keys.TAB)
             WebDriverWait(browser, 30).until(lambda b: b.execute_script(
-                "return keyReadWith === 'nope' && modelsReading === null"))
+                "return keyUsed === 'nope' && modelsReading === null"))
             assert browser.execute_script("return document.activeElement.id") != "key"
             assert notice.text.startswith("The server refused this API key"), notice.text
-            key.send_keys(Keys.BACKSPACE * 4 + "s3cret" + Keys.ENTER)  # the box keeps the focus
+            # another wrong key, refused in the same words: said again (cleared, then written), not silence
+            browser.execute_script("window.noticeChanges = 0; new MutationObserver(() => noticeChanges++).observe("
+                                   "document.getElementById('notice'), {childList: true, subtree: true})")
+            key.send_keys("2" + Keys.TAB)
+            WebDriverWait(browser, 30).until(lambda b: b.execute_script(
+                "return keyUsed === 'nope2' && modelsReading === null && noticeChanges >= 2"))
+            assert notice.text.startswith("The server refused this API key"), notice.text
+            key.send_keys(Keys.BACKSPACE * 5 + "s3cret" + Keys.ENTER)  # the box keeps the focus
             assert _picked(browser) == ("colour", ["test"], "test")  # the models, read with the key entered
             assert notice.text == ""  # before: "refused" stayed until a photo was sent (a web developer's trial)
             assert browser.execute_script("return document.activeElement.id") == "key"
             cards = _dropped(browser, photo)
             assert cards[1].splitlines()[1] == "red" and "colour version test · " in cards[1], cards
+            # a typo sent with a photo, then undone as the box is left: checked again (change missed it: the box's
+            # value was the one it came with; a second trial)
+            key.send_keys("x")
+            assert "401 unauthorized" in _dropped(browser, photo)[2]
+            key.send_keys(Keys.BACKSPACE + Keys.TAB)
+            WebDriverWait(browser, 30).until(lambda _: notice.text == "")
     finally:
         app.extensions[EXTENSION_KEY].shutdown(timeout=5)
 

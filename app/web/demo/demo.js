@@ -17,12 +17,13 @@ const RETRY_S = 2, RETRY_MAX_S = 30;  // asking /v1/models again: without a Retr
 let modelsRetry = null;  // the timer that asks /v1/models again, while the server cannot answer it
 let modelsReading = null;  // the read of /v1/models under way (readModels), which others asking then share
 const SEND_RETRY_MAX_S = 5;  // a photo or explanation is sent again after a 429 or 503 asking to wait this long or less
-let keyReadWith = null;  // the key box's value when the models were last read
+let keyUsed = null;  // the key box's value the last request was sent with
 
 function headers() {
   // The key as its UTF-8 bytes, one character each: fetch sends a header's characters as bytes (and refuses one
   // past U+00FF), so a key in any script reaches the server as curl would send it.
   const key = keyInput.value.trim();
+  keyUsed = key;
   return key ? { Authorization: "Bearer " + String.fromCharCode(...new TextEncoder().encode(key)) } : {};
 }
 
@@ -64,16 +65,21 @@ function needKey(keySent, then, focus = true) {
   keySection.hidden = false;
   const text = keySent ? `The server refused this API key: check it and enter it again above${then}.`
                        : `This server needs an API key: enter it above${then}.`;
-  if (notice.textContent !== text) notice.textContent = text;
+  if (notice.textContent !== text) {
+    notice.textContent = text;
+  } else if (keyNoticeShown && keySent) {  // another key refused in the same words: said again, not silence
+    notice.textContent = "";
+    setTimeout(() => { notice.textContent = text; }, 100);
+  }
   keyNoticeShown = true;
   if (focus) keyInput.focus();
 }
 
 function keyChanged() {
-  // The models read again with the key now in the box, when it changed since they were last read: as the box is
-  // left or Enter pressed in it, and before photos are sent (one dropped while the box keeps the focus). Never while
-  // it is typed: each pause sent a part of the key, and each refusal took the focus back (an accessibility trial).
-  if (keyInput.value.trim() !== keyReadWith) readModels(true);
+  // The models read again with the key now in the box, when it is not the one the last request was sent with: as
+  // the box is left or Enter pressed in it. Never while it is typed: each pause sent a part of the key, and each
+  // refusal took the focus back (an accessibility trial). Photos dropped meanwhile are sent with the key as it is.
+  if (keyInput.value.trim() !== keyUsed) readModels(true);
 }
 
 function keyTaken() {
@@ -204,7 +210,6 @@ async function describeModels(fromKey = false) {
   // The model and the version picked stay picked while they are served. ``fromKey``: read for a key just entered.
   clearTimeout(modelsRetry);
   try {
-    keyReadWith = keyInput.value.trim();
     const auth = headers();
     const response = await fetch("/v1/models", { headers: auth });
     if (response.status === 401) {
@@ -343,7 +348,7 @@ function timings(header) {
   }).filter(Boolean).join(" · ");
 }
 
-function answerRegion(title, heading) {
+function answerRegion(title, heading, photo = null) {
   // A live region holding a heading (``title``, as a ``heading`` element) and the body an answer goes into: read
   // whole when the body changes (aria-atomic), so an answer or an error is heard with what it answers (several
   // photos' answers come in any order). Returns {region, body}.
@@ -353,6 +358,12 @@ function answerRegion(title, heading) {
   const named = document.createElement(heading);
   named.className = "name";
   named.textContent = title;
+  if (photo !== null) {  // a rollout's side: heard with the photo it answers (its name is the card's heading)
+    const said = document.createElement("span");
+    said.className = "visually-hidden";
+    said.textContent = `${photo}: `;
+    named.prepend(said);
+  }
   const body = document.createElement("div");
   body.className = "body";
   body.textContent = "Classifying…";
@@ -397,7 +408,7 @@ function offerExplanation(body, file, target, top) {
   button.textContent = `Why ${top.label}?`;
   // a rollout's two sides each have one: named apart for a screen reader (the same text twice, before)
   if (answerHolder(body).classList.contains("side")) {
-    button.setAttribute("aria-label", `Why ${top.label}, version ${target.version}?`);
+    button.setAttribute("aria-label", `Why ${top.label}? (version ${target.version})`);  // its text, then which
   }
   button.addEventListener("click", () => explainInto(holder, button, file, target, top));
   answerHolder(body).append(button, holder);
@@ -457,11 +468,11 @@ async function answerInto(body, file, target) {
   return null;
 }
 
-function side(title) {
+function side(title, photo) {
   // One version's half of a compared card: its heading (under the photo's), and where its answer goes.
   const section = document.createElement("section");
   section.className = "side";
-  const { region, body } = answerRegion(title, "h3");
+  const { region, body } = answerRegion(title, "h3", photo);
   section.append(region);
   return { section, body };
 }
@@ -486,8 +497,8 @@ async function classifyBoth(file, pair) {
   body.closest(".card").classList.add("compared");
   body.parentElement.removeAttribute("aria-live");  // each side's answer and the verdict are live regions of their own
   body.parentElement.removeAttribute("aria-atomic");
-  const live = side(`Live · version ${pair.live.version}`);
-  const candidate = side(`Candidate (${pair.role}) · version ${pair.candidate.version}`);
+  const live = side(`Live · version ${pair.live.version}`, file.name);
+  const candidate = side(`Candidate (${pair.role}) · version ${pair.candidate.version}`, file.name);
   const sides = document.createElement("div");
   sides.className = "sides";
   sides.append(live.section, candidate.section);
@@ -499,7 +510,10 @@ async function classifyBoth(file, pair) {
                                      answerInto(candidate.body, file,
                                                 () => ({ model: name, version: pair.candidate.version }))]);
   const { text, kind } = verdict(pair, ...answers);
-  line.textContent = text;
+  const said = document.createElement("span");  // heard with the photo it compares (the card's heading)
+  said.className = "visually-hidden";
+  said.textContent = `${file.name}: `;
+  line.replaceChildren(said, text);
   line.classList.add(kind);
   refreshRollouts();
 }
@@ -521,6 +535,7 @@ function topKProblem() {
   const input = $("top-k"), value = input.value.trim();
   const fine = input.validity.valid && (value === "" || /^[1-9][0-9]*$/.test(value));
   input.setAttribute("aria-invalid", String(!fine));
+  if (fine) input.removeAttribute("aria-describedby"); else input.setAttribute("aria-describedby", "notice");
   return fine ? null : "Classes per photo must be a whole number, 1 or more (or empty: the server's default); " +
                        "then pick the photos again.";
 }
@@ -532,7 +547,6 @@ function classifyAll(files) {
     $("top-k").focus();
     return;
   }
-  keyChanged();  // a key typed, the box not left: the models read with it (the photos are sent with it anyway)
   notice.textContent = "";
   const names = Array.from(files, (file) => file.name);
   // The native input's own text would say "No file chosen" again (it is reset so the same photo can be picked
@@ -568,8 +582,13 @@ window.addEventListener("drop", (event) => {
 modelPick.addEventListener("change", () => fillVersions());
 versionPick.addEventListener("change", describeChoice);
 // The models again with a key entered: as the box is left or Enter pressed in it (and before photos are sent).
-keyInput.addEventListener("change", keyChanged);
+keyInput.addEventListener("blur", keyChanged);  // (change would miss a typo undone: the value it came with)
 keyInput.addEventListener("keydown", (event) => {
   if (event.key === "Enter") keyChanged();
+});
+// a number put right is no longer marked wrong (checked again as it is edited, once it was found wrong)
+$("top-k").addEventListener("input", () => {
+  const wrong = $("top-k").getAttribute("aria-invalid") === "true";
+  if (wrong && topKProblem() === null && notice.textContent.startsWith("Classes per photo")) notice.textContent = "";
 });
 readModels();
