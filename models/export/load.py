@@ -181,7 +181,8 @@ def _onnx_model(weights_dir: Path, manifest: Manifest, onnx: OnnxFile, threads: 
                 compute_dtype: torch.dtype) -> LoadedModel:
     runtime = load_onnx(weights_dir, onnx, threads)
     check_output_shape(runtime, manifest)
-    log.info("loaded %s %s (ONNX Runtime, %s) onto cpu", manifest.name, manifest.version, onnx.path)
+    log.info("loaded %s %s (onnx) from %s onto cpu, under ONNX Runtime", manifest.name, manifest.version,
+             weights_dir / onnx.path)  # the whole path, as the other formats' lines say it (before: the name alone)
     return LoadedModel(runtime, manifest, torch.device("cpu"), compute_dtype, "onnx",
                        (weights_dir / onnx.path).stat().st_size)
 
@@ -191,7 +192,8 @@ def _packaged_model(weights_dir: Path, manifest: Manifest, package: CompiledPack
     model = load_package(weights_dir, package, target)
     # compiled for batches up to its max_batch_size: checked with two images when it takes them
     check_output_shape(model, manifest, target, compute_dtype, min(CHECK_BATCH_SIZE, package.max_batch_size))
-    log.info("loaded %s %s (AOTInductor %s) onto %s", manifest.name, manifest.version, package.path, target)
+    log.info("loaded %s %s (%s) from %s onto %s", manifest.name, manifest.version, kind_of(package),
+             weights_dir / package.path, target)
     return LoadedModel(model, manifest, target, compute_dtype, kind_of(package),
                        (weights_dir / package.path).stat().st_size)
 

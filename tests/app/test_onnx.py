@@ -189,6 +189,15 @@ def test_an_export_without_the_agreement_photos_says_which_package_to_install(
     assert "skimage is not installed: " in caplog.text and " -m pip install -r requirements.txt" in caplog.text
 
 
+def test_the_load_s_log_line_names_the_onnx_file_s_whole_path(onnx_export: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    # Before: "(ONNX Runtime, model.onnx)", the name alone, where the other formats' lines give the whole path
+    # (an operator looked for which folder served; a trial)
+    with caplog.at_level(logging.INFO, logger="models.export.load"):
+        Predictor.load(onnx_export, weights_format="onnx", device="cpu")
+    assert f"loaded mine 1 (onnx) from {onnx_export / 'model.onnx'} onto cpu, under ONNX Runtime" in caplog.text
+
+
 def test_v1_models_gives_the_checksum_of_the_onnx_file_it_serves(onnx_export: Path) -> None:
     # Before: "files" named the TorchScript and state-dict files only, not the ONNX file that served (format: onnx)
     from app.v1.routes import _file_checksums
