@@ -153,16 +153,14 @@ def _say_auth(server) -> None:  # noqa: ANN001
     """Whether requests need the API key, and where it is read from, said once at start (an operator found it
     nowhere in the log; a trial). A key file that cannot be read is each worker's to say."""
     try:
-        key = _settings.resolved_api_key()
+        key, source = _settings.api_key_and_source()
     except OSError:
         return
     if key is None:
         server.log.info("visionserve: no API key: requests are served without one (VISIONSERVE_API_KEY or "
                         "VISIONSERVE_API_KEY_FILE requires one)")
         return
-    given = _settings.api_key is not None and _settings.api_key.get_secret_value().strip()
-    server.log.info("visionserve: requests need the API key (from %s)%s",
-                    "VISIONSERVE_API_KEY" if given else f"the key file {_settings.api_key_file}",
+    server.log.info("visionserve: requests need the API key (from %s)%s", source,
                     "; health probes and /metrics are open (AUTH_HEALTH_OPEN)" if _settings.auth_health_open else "")
 
 

@@ -712,7 +712,12 @@ class SecuritySettings(SettingsGroup):
         return self
 
     def resolved_api_key(self) -> str | None:
-        """The API key from the setting or the key file (stripped), or None when auth is off.
+        """The API key from the setting or the key file (stripped), or None when auth is off."""
+        return self.api_key_and_source()[0]
+
+    def api_key_and_source(self) -> tuple[str | None, str | None]:
+        """The API key (as ``resolved_api_key``) and where it was read: ``VISIONSERVE_API_KEY`` or ``the key file
+        PATH`` (None without either).
 
         An empty or whitespace-only key, from either, is no key: auth off, said in a warning. Taken as a key, no
         request could present it (a header's value is stripped), so every protected path would be 401; an empty
@@ -723,11 +728,11 @@ class SecuritySettings(SettingsGroup):
         elif self.api_key_file is not None:  # (an empty API_KEY beside it, as a compose file's ${API_KEY:-}, is none)
             key, source = self.api_key_file.read_text(encoding="utf-8").strip(), f"the key file {self.api_key_file}"
         else:
-            return None
+            return None, None
         if not key:
             log.warning("the API key setting is empty (%s): no key is required, auth is off; unset it, or give a "
                         "key", source)
-        return key or None
+        return key or None, source
 
 
 # The groups are listed last first: pydantic collects a model's fields from its last base up, so this order gives
