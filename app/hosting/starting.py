@@ -10,11 +10,11 @@ the server's metadata, ``/readyz``, ``/v2/health/ready`` and a model's V2 readin
 false}``) 503, everything else ``503 not_ready`` with ``Retry-After`` (the OpenAPI document lists it on every
 operation), in the error shape of the path (``{"error": "<message>"}`` under /v2), with an ``X-Request-ID`` and one
 access-log line. It checks no API key (its answers hold nothing but "starting"), and closes the connection after a
-body it cannot have read (chunked, over ``max_body_bytes``, or sent after ``100 Continue``). Its answers are counted as the app counts
-them (``visionserve_requests_total``, endpoint ``starting``; a probe's in ``visionserve_probe_requests_total``), held
-here and written once the app exists (``_hand_over``): a reload's 503s count in the 5xx ratio. Standard library
-and request_framing's error shape and request id only (the worker class loaded it already): no request waits for
-the imports it is answering around.
+body it cannot have read (chunked, over ``max_body_bytes``, or sent after ``100 Continue``). Its answers are counted
+as the app counts them (``visionserve_requests_total``, endpoint ``starting``; a probe's in
+``visionserve_probe_requests_total``), held here and written once the app exists (``_hand_over``): a reload's 503s
+count in the 5xx ratio. Standard library and request_framing's error shape and request id only (the worker class
+loaded it already): no request waits for the imports it is answering around.
 """
 from __future__ import annotations
 
