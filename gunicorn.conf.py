@@ -51,6 +51,15 @@ os.environ["VISIONSERVE_ENGINES"] = str(_engines)
 # master makes its own: pre_exec).
 if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = owned_dirs.make(owned_dirs.METRICS_PREFIX)
+# What the master folds an ended process's values with (_forget), imported now: once the directory is set (prometheus-
+# client picks its values' kind at its import, which the workers inherit), and never as a worker ends, when another
+# release may lie where this one was read (its code swapped in place for a USR2, or back for a rollback), which this
+# master cannot import (an ImportError ended a rolled-back master's stop).
+_metrics_files = _multiprocess = None
+if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+    from prometheus_client import multiprocess as _multiprocess
+
+    from app.hosting import metrics_files as _metrics_files
 
 # The workers share repository loads and unloads through a directory (app/engine/versions/desired.py), made here
 # before the fork so every worker of this master, and every worker it starts later, finds the same one.
@@ -315,16 +324,10 @@ def _forget(server, pid: int) -> None:  # noqa: ANN001
             control.ready_mark(Path(control_dir), pid).unlink(missing_ok=True)
             control.leaving_mark(Path(control_dir), pid).unlink(missing_ok=True)  # (killed during its drain)
             control.loading_mark(Path(control_dir), pid).unlink(missing_ok=True)  # (ended before it served)
-        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-            # imported here, long after the directory is set above: prometheus-client picks its values' kind (a file
-            # per process, or none) at its import, which the workers inherit
-            from prometheus_client import multiprocess
-
-            from app.hosting import metrics_files
-
-            multiprocess.mark_process_dead(pid)
+        if _metrics_files is not None and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            _multiprocess.mark_process_dead(pid)
             try:
-                metrics_files.fold_ended(Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), pid)
+                _metrics_files.fold_ended(Path(os.environ["PROMETHEUS_MULTIPROC_DIR"]), pid)
             except Exception as exc:  # noqa: BLE001 - a file that does not read (cut short, overwritten): never the
                 # master loop's end
                 server.log.warning("visionserve: the metrics files of process %d could not be folded (%s): they stay "

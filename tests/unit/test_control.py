@@ -181,6 +181,35 @@ def test_a_worker_killed_during_its_drain_leaves_no_leaving_mark(tmp_path: Path,
     assert not any(mark.exists() for mark in marks)
 
 
+def test_a_master_folds_an_ended_worker_s_metrics_with_what_it_imported_at_its_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the master imported app.hosting.metrics_files as a worker ended. An operator's hot rollback (the old
+    # release's code swapped in where the master had read its own, then USR2, then TERM to this master) had that
+    # import find the old release, without the module: an ImportError out of child_exit ended the master's stop with
+    # a traceback, the worker's report left in CONTROL_DIR and its counts never folded.
+    from types import SimpleNamespace
+
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    import app.hosting
+
+    metrics, control_dir = tmp_path / "metrics", tmp_path / "control"
+    metrics.mkdir()
+    control_dir.mkdir()
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(metrics))
+    config = _gunicorn_config(monkeypatch, control_dir)
+    counter = MmapedDict(str(metrics / "counter_4242.db"))
+    counter.write_value(mmap_key("served", "served_total", [], [], "served"), 3.0, 0.0)
+    counter.close()
+    control.report(control_dir, 4242).write_text("{}")
+    # the release now where this master's code was read has no such module
+    monkeypatch.delattr(app.hosting, "metrics_files", raising=False)
+    monkeypatch.setitem(sys.modules, "app.hosting.metrics_files", None)
+    config["child_exit"](SimpleNamespace(log=SimpleNamespace(warning=print)), SimpleNamespace(pid=4242))
+    assert sorted(path.name for path in metrics.glob("*.db")) == ["counter_ended.db"]
+    assert not control.report(control_dir, 4242).exists()
+
+
 def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: the unlink's EROFS (CONTROL_DIR turned read-only) was raised in gunicorn's main loop from child_exit:
