@@ -137,6 +137,7 @@ def on_starting(server) -> None:  # noqa: ANN001
     if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live
         control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's: an earlier start's
     _tell_predecessor(server)
+    _listen_again_once_promoted(server)
     _clear_metrics(server)
     chosen = "" if _settings.engine != "auto" else (" (ENGINE=auto: a GPU)" if _engine == "process" else
                                                      " (ENGINE=auto: no GPU in use)")
@@ -239,6 +240,26 @@ def _options_over_settings(server) -> list[tuple[str, str, object, object]]:  # 
     return [(server.cfg.settings[name].cli[-1], variable, getattr(server.cfg, name), getattr(_settings, setting))
             for name, (setting, variable) in _SETTING_OPTIONS.items()
             if getattr(server.cfg, name) != getattr(_settings, setting)]
+
+
+def _listen_again_once_promoted(server) -> None:  # noqa: ANN001
+    """A master a USR2 started, in its predecessor's CONTROL_DIR (one the operator keeps): the predecessor's stop
+    removes gunicorn.ctl, where this master's control socket listens (gunicorn removes its socket's path whoever
+    listens there now); so once this master is promoted (the old one gone), it listens there again."""
+    if not getattr(server, "master_pid", 0):
+        return
+    promote = server.maybe_promote_master
+
+    def maybe_promote_master() -> None:
+        predecessor = server.master_pid
+        promote()
+        if predecessor and not server.master_pid and not os.path.exists(control_socket):
+            server._stop_control_server()
+            server._start_control_server()
+            server.log.info("visionserve: the control socket listens again at %s (the master before removed it "
+                            "as it stopped)", control_socket)
+
+    server.maybe_promote_master = maybe_promote_master
 
 
 def _clear_metrics(server) -> None:  # noqa: ANN001

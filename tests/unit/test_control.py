@@ -210,6 +210,41 @@ def test_a_master_folds_an_ended_worker_s_metrics_with_what_it_imported_at_its_s
     assert not control.report(control_dir, 4242).exists()
 
 
+def test_a_usr2_master_in_its_predecessor_s_control_dir_listens_again_once_promoted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: an operator's kept CONTROL_DIR, USR2, then TERM to the old master: the old master's stop removed
+    # gunicorn.ctl, where the new master's control socket listened (gunicorn removes its path, whoever listens
+    # there), and `gunicornc -s CONTROL_DIR/gunicorn.ctl` found nothing until the next start (an upgrade trial).
+    from types import SimpleNamespace
+
+    config = _gunicorn_config(monkeypatch, tmp_path)
+    said: list[str] = []
+    calls: list[str] = []
+
+    def promoted() -> None:  # gunicorn's: the old master gone, this one's master_pid 0
+        server.master_pid = 0
+
+    server = SimpleNamespace(master_pid=4242, maybe_promote_master=promoted,
+                             _stop_control_server=lambda: calls.append("stop"),
+                             _start_control_server=lambda: calls.append("start"),
+                             log=SimpleNamespace(info=lambda message, *args: said.append(message % args)))
+    config["_listen_again_once_promoted"](server)
+    server.maybe_promote_master()
+    assert calls == ["stop", "start"] and str(tmp_path / "gunicorn.ctl") in said[0]
+    server.maybe_promote_master()  # every turn of the master's loop: once only
+    assert calls == ["stop", "start"]
+    # its socket's path still there (the predecessor in a CONTROL_DIR of its own): nothing to do
+    (tmp_path / "gunicorn.ctl").touch()
+    server.master_pid = 4242
+    config["_listen_again_once_promoted"](server)
+    server.maybe_promote_master()
+    assert calls == ["stop", "start"]
+    # a master no USR2 started is never promoted: its loop's step left as gunicorn's
+    first = SimpleNamespace(master_pid=0, maybe_promote_master=promoted)
+    config["_listen_again_once_promoted"](first)
+    assert first.maybe_promote_master is promoted
+
+
 def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: the unlink's EROFS (CONTROL_DIR turned read-only) was raised in gunicorn's main loop from child_exit:
