@@ -15,6 +15,7 @@ from app import EXTENSION_KEY
 from app.hosting import drain
 from app.config import SettingsError, load_settings, unknown_variables
 from app.hosting import control, owned_dirs
+from app.engine.versions.desired import kept_from_an_earlier_run
 from app.hosting.host import (address_in_use, bind_problem, engine_count, engine_mode, unserved_engines, workers_for,
                               workers_past_cores)
 from app.logs import JsonFormatter, configure_access_log
@@ -136,6 +137,7 @@ def on_starting(server) -> None:  # noqa: ANN001
     _refuse_ttou_at_one_worker(server)
     if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live
         control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's: an earlier start's
+        _say_kept_desired_state(server)
     _tell_predecessor(server)
     _listen_again_once_promoted(server)
     _clear_metrics(server)
@@ -240,6 +242,18 @@ def _options_over_settings(server) -> list[tuple[str, str, object, object]]:  # 
     return [(server.cfg.settings[name].cli[-1], variable, getattr(server.cfg, name), getattr(_settings, setting))
             for name, (setting, variable) in _SETTING_OPTIONS.items()
             if getattr(server.cfg, name) != getattr(_settings, setting)]
+
+
+def _say_kept_desired_state(server) -> None:  # noqa: ANN001
+    """A CONTROL_DIR kept from an earlier run holds the models' desired state its calls and rollouts left (a default a
+    promotion holds, a model a call unloaded): the workers serve it, not the repository's policies afresh, so the
+    start says so (it said only the versions each model served: an upgrade trial)."""
+    control_dir = Path(os.environ["VISIONSERVE_CONTROL_DIR"])
+    kept = kept_from_an_earlier_run(control_dir)
+    if kept is not None:
+        server.log.info("visionserve: CONTROL_DIR keeps the models' desired state an earlier run left, which the "
+                        "workers serve (%s); remove %s to start from the repository's policies", kept,
+                        control_dir / control.DESIRED)
 
 
 def _listen_again_once_promoted(server) -> None:  # noqa: ANN001

@@ -245,6 +245,31 @@ def test_a_usr2_master_in_its_predecessor_s_control_dir_listens_again_once_promo
     assert first.maybe_promote_master is promoted
 
 
+def test_a_master_started_on_a_kept_control_dir_says_the_desired_state_its_workers_serve(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: the start said only the versions each model served; that a promotion's default and a call's unload
+    # were an earlier run's, kept in CONTROL_DIR, and served instead of the repository's policies, was said nowhere
+    # (an upgrade trial).
+    from types import SimpleNamespace
+
+    config = _gunicorn_config(monkeypatch, tmp_path)
+    said: list[str] = []
+    server = SimpleNamespace(log=SimpleNamespace(info=lambda message, *args: said.append(message % args)))
+    config["_say_kept_desired_state"](server)
+    assert said == []  # a directory of its own: nothing kept
+    SharedDesiredState(tmp_path).write({
+        "lite0": {"versions": ["1", "2"], "default": "2", "held": True, "previous_default": "1",
+                  "rolled_back": ["3"], "rollout": {"candidate": None, "canary_percent": 20.0}},
+        "mobile": {"versions": ["4", "5"], "default": "4", "rollout": {"candidate": "5", "canary_percent": 10.0}},
+        "other": {"versions": [], "default": None}})
+    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(tmp_path))
+    config["_say_kept_desired_state"](server)
+    assert len(said) == 1
+    assert ("(generation 1: lite0 versions 1, 2, default 2 (a call's: held), 3 rolled back; mobile versions 4, 5, "
+            "default 4, candidate 5; other unloaded by a call)") in said[0]
+    assert f"remove {tmp_path / control.DESIRED} to start from the repository's policies" in said[0]
+
+
 def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: the unlink's EROFS (CONTROL_DIR turned read-only) was raised in gunicorn's main loop from child_exit:

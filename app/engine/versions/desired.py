@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from app.engine.rollouts.entry import ModelEntry
+from app.engine.rollouts.entry import ModelEntry, is_unloaded
 from app.hosting import control
 
 WATCH_S = 0.2  # how often a worker looks for a newer generation
@@ -175,3 +175,24 @@ class SharedDesiredState(DesiredState):
 def desired_state(control_dir: Path | None) -> DesiredState:
     """The shared state when the server has a control directory (several workers), else one in memory."""
     return SharedDesiredState(control_dir) if control_dir is not None else DesiredState()
+
+
+def kept_from_an_earlier_run(control_dir: Path) -> str | None:
+    """What ``control_dir``'s desired state, which an earlier run left, holds (a new master's workers serve it, not
+    the repository's policies afresh), as its start says it; None when there is none."""
+    data = _read(control_dir / control.DESIRED)
+    if not isinstance(data, dict) or not isinstance(data.get("models"), dict) or not data.get("generation"):
+        return None
+    said = []
+    for name, entry in sorted(data["models"].items()):
+        if is_unloaded(entry):
+            said.append(f"{name} unloaded by a call")
+            continue
+        one = f"{name} versions {', '.join(entry['versions'])}, default {entry['default']}"
+        one += " (a call's: held)" if entry.get("held") else ""
+        if entry.get("rolled_back"):
+            one += f", {', '.join(entry['rolled_back'])} rolled back"
+        if (entry.get("rollout") or {}).get("candidate"):
+            one += f", candidate {entry['rollout']['candidate']}"
+        said.append(one)
+    return f"generation {data['generation']}: {'; '.join(said) or 'no model'}"
