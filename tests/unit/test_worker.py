@@ -1121,7 +1121,8 @@ def _master_starting(env: dict[str, str], master_pid: int = 0) -> str:
     start = ("import logging, runpy; from types import SimpleNamespace; c = runpy.run_path('gunicorn.conf.py'); "
              "logging.basicConfig(level=logging.INFO, format='%(message)s'); "
              "c['on_starting'](SimpleNamespace(log=logging.getLogger('master'), reap_workers=lambda: None, "
-             f"handle_ttou=lambda: None, stop=lambda graceful=True: None, master_pid={master_pid}, "
+             f"handle_ttou=lambda: None, stop=lambda graceful=True: None, maybe_promote_master=lambda: None, "
+             f"master_pid={master_pid}, "
              "cfg=SimpleNamespace(bind=[], **{k: c[k] for k in ('workers', 'threads', 'worker_connections', "
              "'timeout', 'graceful_timeout', 'keepalive')})))")
     return subprocess.run([sys.executable, "-c", start], cwd=Path(__file__).resolve().parents[2], check=True,
