@@ -268,6 +268,12 @@ def test_a_master_started_on_a_kept_control_dir_says_the_desired_state_its_worke
     assert ("(generation 1: lite0 versions 1, 2, default 2 (a call's: held), 3 rolled back; mobile versions 4, 5, "
             "default 4, candidate 5; other unloaded by a call)") in said[0]
     assert f"remove {tmp_path / control.DESIRED} to start from the repository's policies" in said[0]
+    # a file edited by hand, or of a release that wrote it otherwise: said as unreadable, never the start's end
+    (tmp_path / control.DESIRED).write_text(json.dumps({"generation": 3, "models": {
+        "lite0": "2", "mobile": {"versions": "4"}, "tiny": {"default": "1"}, "odd": {"versions": [1], "rollout": 5}}}))
+    config["_say_kept_desired_state"](server)
+    assert ("(generation 3: lite0 unreadable; mobile unreadable; odd versions 1, default None; tiny unreadable)"
+            in said[1])
 
 
 def test_a_dead_worker_s_files_the_master_cannot_remove_are_logged_not_raised(

@@ -185,14 +185,17 @@ def kept_from_an_earlier_run(control_dir: Path) -> str | None:
         return None
     said = []
     for name, entry in sorted(data["models"].items()):
+        if not isinstance(entry, dict) or not isinstance(entry.get("versions"), list):
+            said.append(f"{name} unreadable")  # (the workers say why as they apply it: never the master's end)
+            continue
         if is_unloaded(entry):
             said.append(f"{name} unloaded by a call")
             continue
-        one = f"{name} versions {', '.join(entry['versions'])}, default {entry['default']}"
+        one = f"{name} versions {', '.join(map(str, entry['versions']))}, default {entry.get('default')}"
         one += " (a call's: held)" if entry.get("held") else ""
         if entry.get("rolled_back"):
-            one += f", {', '.join(entry['rolled_back'])} rolled back"
-        if (entry.get("rollout") or {}).get("candidate"):
+            one += f", {', '.join(map(str, entry['rolled_back']))} rolled back"
+        if isinstance(entry.get("rollout"), dict) and entry["rollout"].get("candidate"):
             one += f", candidate {entry['rollout']['candidate']}"
         said.append(one)
     return f"generation {data['generation']}: {'; '.join(said) or 'no model'}"
