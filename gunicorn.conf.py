@@ -435,6 +435,17 @@ def pre_exec(server) -> None:  # noqa: ANN001
     serve and they do not yet (they took them, to answer 503 while their engines loaded)."""
     owned_dirs.leave_out_of(server.cfg.env_orig)
     server.cfg.env_orig[control.PREDECESSOR_VARIABLE] = os.environ["VISIONSERVE_CONTROL_DIR"]
+    _on_the_release_s_own_environment(server)
+
+
+def _on_the_release_s_own_environment(server) -> None:  # noqa: ANN001
+    """USR2's new master as bin/serve would start the release now in the working directory: gunicorn executes the
+    old master's interpreter again, so a release swapped in with a ``.venv`` of its own ran on the old release's
+    packages (an upgrade trial); a master bin/serve started from the checkout's ``.venv`` has the new one's then."""
+    args = server.START_CTX["args"]
+    python = Path(server.START_CTX["cwd"]) / ".venv" / "bin" / "python"
+    if len(args) > 1 and args[1] == ".venv/bin/gunicorn" and python.exists():
+        server.START_CTX[0] = args[0] = str(python)
 
 
 def on_exit(server) -> None:  # noqa: ANN001

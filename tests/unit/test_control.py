@@ -158,7 +158,8 @@ def test_usr2_s_new_master_is_told_where_the_old_master_s_workers_say_they_serve
 
     config = _gunicorn_config(monkeypatch, tmp_path)
     given = {"PATH": "/usr/bin"}  # the environment gunicorn hands the new master (gunicorn's cfg.env_orig)
-    config["pre_exec"](SimpleNamespace(cfg=SimpleNamespace(env_orig=given)))
+    config["pre_exec"](SimpleNamespace(cfg=SimpleNamespace(env_orig=given),
+                                       START_CTX={"args": [sys.executable], "cwd": str(tmp_path), 0: sys.executable}))
     assert given == {"PATH": "/usr/bin", control.PREDECESSOR_VARIABLE: str(tmp_path)}
     # and the new master, at its start, writes its own CONTROL_DIR into the old master's
     mine = tmp_path / "new"
@@ -167,6 +168,33 @@ def test_usr2_s_new_master_is_told_where_the_old_master_s_workers_say_they_serve
     monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(mine))
     config["_tell_predecessor"](SimpleNamespace(log=logging.getLogger("test")))
     assert (tmp_path / control.SUCCESSOR).read_text() == str(mine)
+
+
+def test_usr2_s_new_master_runs_on_the_environment_of_the_release_now_in_its_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: gunicorn executes the old master's interpreter again, so a release swapped in with a .venv of its own
+    # ran on the old release's packages (an upgrade trial). Checked by hand too: after a USR2 the new master's command
+    # line is <working directory>/.venv/bin/python .venv/bin/gunicorn ..., and it serves.
+    from types import SimpleNamespace
+
+    config = _gunicorn_config(monkeypatch, tmp_path)
+    release = tmp_path / "release"
+    (release / ".venv" / "bin").mkdir(parents=True)
+
+    def usr2(args: list[str]) -> dict:
+        server = SimpleNamespace(cfg=SimpleNamespace(env_orig={}), START_CTX={
+            "args": ["/old/.venv/bin/python", *args], "cwd": str(release), 0: "/old/.venv/bin/python"})
+        config["pre_exec"](server)
+        return server.START_CTX
+
+    bin_serve = [".venv/bin/gunicorn", "-c", "gunicorn.conf.py", "app.wsgi:app"]
+    assert usr2(bin_serve)[0] == "/old/.venv/bin/python"  # the release has no .venv: the master's own (a container)
+    (release / ".venv" / "bin" / "python").touch()
+    started = usr2(bin_serve)
+    assert started[0] == started["args"][0] == str(release / ".venv" / "bin" / "python")
+    assert started["args"][1:] == bin_serve
+    # a master started otherwise (another interpreter's gunicorn, python -m gunicorn) is executed as it was
+    assert usr2(["/usr/bin/gunicorn", "-c", "gunicorn.conf.py", "app.wsgi:app"])[0] == "/old/.venv/bin/python"
 
 
 def test_a_worker_killed_during_its_drain_leaves_no_leaving_mark(tmp_path: Path,
