@@ -48,8 +48,9 @@ os.environ["VISIONSERVE_ENGINES"] = str(_engines)
 # Several processes: prometheus-client's multiprocess mode, so /metrics on any worker reports all of them (the
 # engines' batches included). The variable must be set before the workers import prometheus_client, i.e. here in
 # the master before the fork.
-# The directories this master makes are kept in app/hosting/owned_dirs.py (a HUP executes this file again; USR2's new
-# master makes its own: pre_exec).
+# The directories this master makes are kept in app/hosting/owned_dirs.py (a HUP executes this file again); USR2's new
+# master is handed this one (pre_exec), which it adopts here, and makes a CONTROL_DIR of its own.
+owned_dirs.adopt(os.environ)
 if (_workers > 1 or _engine == "process") and not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = owned_dirs.make(owned_dirs.METRICS_PREFIX)
 # What the master folds an ended process's values with (_forget), imported now: once the directory is set (prometheus-
@@ -428,12 +429,18 @@ def _tell_predecessor(server) -> None:  # noqa: ANN001
 
 
 def pre_exec(server) -> None:  # noqa: ANN001
-    """USR2's new master, just before gunicorn executes it: given no directory of this master's (gunicorn passes it
-    the environment it started with, which names them after a HUP), it makes its own: this one's engine sockets and
-    workers' marks are in them, and this master removes them at its exit. It is told where this master's workers'
-    ready marks are (``control.PREDECESSOR_VARIABLE``): its own workers leave new connections to them while these
-    serve and they do not yet (they took them, to answer 503 while their engines loaded)."""
+    """USR2's new master, just before gunicorn executes it: given no CONTROL_DIR of this master's (gunicorn passes it
+    the environment it started with, which names it after a HUP), it makes its own: this one's engine sockets and
+    workers' marks are in it, and this master removes it at its exit. The metrics directory this master made is
+    handed over (app/hosting/owned_dirs.py): both masters' workers count in it, so the counters a scrape reads keep
+    rising whichever master's worker answers it. It is told where this master's workers' ready marks are
+    (``control.PREDECESSOR_VARIABLE``): its own workers leave new connections to them while these serve and they do
+    not yet (they took them, to answer 503 while their engines loaded)."""
     owned_dirs.leave_out_of(server.cfg.env_orig)
+    metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+    if metrics_dir and owned_dirs.made_here(metrics_dir):
+        server.cfg.env_orig["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+        owned_dirs.hand_over(metrics_dir, server.cfg.env_orig)
     server.cfg.env_orig[control.PREDECESSOR_VARIABLE] = os.environ["VISIONSERVE_CONTROL_DIR"]
     _on_the_release_s_own_environment(server)
 
@@ -451,8 +458,9 @@ def _on_the_release_s_own_environment(server) -> None:  # noqa: ANN001
 def on_exit(server) -> None:  # noqa: ANN001
     """Stop the engines once the workers are gone (they finish what is queued); the metrics and control directories
     this master made go at its exit, right after (ones set aside by ops are theirs to keep; the next start empties a
-    metrics one of its ``*.db`` files: _clear_metrics). A master halted by a worker that could not start says why
-    last, after gunicorn's "Reason: Worker failed to boot.", where a reader of the log looks."""
+    metrics one of its ``*.db`` files: _clear_metrics; a metrics one handed to USR2's new master is that one's).
+    A master halted by a worker that could not start says why last, after gunicorn's "Reason: Worker failed to
+    boot.", where a reader of the log looks."""
     said = os.environ.get("VISIONSERVE_CONTROL_DIR")
     reason = control.boot_failure(Path(said), os.getpid()) if said else None
     if reason is not None:

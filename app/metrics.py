@@ -122,7 +122,8 @@ PREDICTION_DRIFT_PSI = Gauge("visionserve_prediction_drift_psi", "Population sta
                              "0 once unloaded)", ["model", "version"], multiprocess_mode="livemax")
 
 ENGINE_STARTS = Counter("visionserve_engine_starts", "Engine processes started (ENGINE=process), by engine slot: "
-                        "more than one a slot is a restart (it died, or was killed for a stall: the log says how)",
+                        "more than one a slot is a restart (it died, or was killed for a stall: the log says how) "
+                        "or a USR2 upgrade's (the new master's engines count on in the metrics directory it is handed)",
                         ["engine"])
 ENGINE_UP = Gauge("visionserve_engine_up", "1 while an engine process (ENGINE=process) serves, by engine slot: from "
                   "when its models are loaded and it listens until its stop; a dead one's series goes with it (a "

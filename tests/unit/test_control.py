@@ -170,6 +170,44 @@ def test_usr2_s_new_master_is_told_where_the_old_master_s_workers_say_they_serve
     assert (tmp_path / control.SUCCESSOR).read_text() == str(mine)
 
 
+def test_usr2_s_new_master_is_handed_the_metrics_directory_its_master_made_and_not_one_ops_set(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: it was given none and made its own, so the counters a scrape read went back and forth between the two
+    # masters' totals while both served (rate() read resets). app/hosting/owned_dirs.py's tests follow the directory
+    # through both masters' exits.
+    import fcntl
+    import tempfile
+    from types import SimpleNamespace
+
+    from app.hosting import owned_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(owned_dirs, "_HELD", {})
+    config = _gunicorn_config(monkeypatch, tmp_path)
+    made = owned_dirs.make(owned_dirs.METRICS_PREFIX)
+
+    def usr2(metrics_dir: str) -> dict:
+        given = {"PATH": "/usr/bin", "PROMETHEUS_MULTIPROC_DIR": metrics_dir}  # (gunicorn's env_orig names the
+        monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", metrics_dir)  # master's own after a HUP, ops' always)
+        config["pre_exec"](SimpleNamespace(cfg=SimpleNamespace(env_orig=given), START_CTX={
+            "args": [sys.executable], "cwd": str(tmp_path), 0: sys.executable}))
+        return given
+
+    given = usr2(made)
+    fd, _, path = given.pop(owned_dirs.HANDED_OVER).partition(":")
+    assert path == made and given == {"PATH": "/usr/bin", "PROMETHEUS_MULTIPROC_DIR": made,
+                                      control.PREDECESSOR_VARIABLE: str(tmp_path)}
+    assert os.get_inheritable(int(fd))  # kept across gunicorn's exec: the new master's lock on it
+    with open(Path(made) / owned_dirs.HELD_WHILE_IN_USE) as lock, pytest.raises(BlockingIOError):
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(int(fd))
+    ops = tmp_path / "ops-metrics"  # one ops set: given as it was started with, handed over to no one
+    ops.mkdir()
+    assert usr2(str(ops)) == {"PATH": "/usr/bin", "PROMETHEUS_MULTIPROC_DIR": str(ops),
+                              control.PREDECESSOR_VARIABLE: str(tmp_path)}
+    owned_dirs.remove_held(os.getpid())
+
+
 def test_usr2_s_new_master_runs_on_the_environment_of_the_release_now_in_its_working_directory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: gunicorn executes the old master's interpreter again, so a release swapped in with a .venv of its own

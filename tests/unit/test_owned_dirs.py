@@ -125,3 +125,74 @@ def test_usr2_s_new_master_is_given_none_of_the_old_master_s_directories(folder:
     assert environ == {"PROMETHEUS_MULTIPROC_DIR": "/srv/metrics", "PATH": "/usr/bin"}  # one ops set is theirs
     owned_dirs.remove_held(os.getpid())
     assert list(folder.iterdir()) == []
+
+
+# USR2's new master, executed with what the old one handed over: adopts it, says what it adopted, then exits as the
+# line on its stdin says (its exit functions run).
+ADOPTER = """
+import os, sys
+from app.hosting import owned_dirs
+print(owned_dirs.adopt(os.environ), owned_dirs.HANDED_OVER in os.environ, flush=True)
+sys.stdin.readline()
+sys.exit(0)
+"""
+
+
+class Adopter:
+    """USR2's new master: executed (here started) with the descriptor ``hand_over`` opened, which the old master
+    (this process, before gunicorn's exec: its fork) then no longer has."""
+
+    def __init__(self, environ: dict[str, str]) -> None:
+        fd = int(environ[owned_dirs.HANDED_OVER].partition(":")[0])
+        self.process = subprocess.Popen([sys.executable, "-c", ADOPTER], cwd=ROOT, stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True, pass_fds=(fd,),
+                                        env={**os.environ, **environ})
+        os.close(fd)
+        assert self.process.stdout is not None
+        adopted, still_named = self.process.stdout.readline().split()
+        self.adopted, self.still_named = adopted, still_named == "True"
+
+    def exit(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write("exit\n")
+        self.process.stdin.flush()
+        self.process.wait(30)
+
+
+def test_usr2_s_new_master_is_handed_the_metrics_directory_and_the_last_master_to_exit_removes_it(
+        folder: Path) -> None:
+    # Before: the new master made a metrics directory of its own, so while both masters served a scrape read either
+    # master's totals: the counters went back and forth, and rate() read each fall as a reset.
+    metrics, control_dir = owned_dirs.make("visionserve-metrics-"), owned_dirs.make("visionserve-control-")
+    environ = {"PROMETHEUS_MULTIPROC_DIR": metrics, "VISIONSERVE_CONTROL_DIR": control_dir}
+    owned_dirs.leave_out_of(environ)
+    environ["PROMETHEUS_MULTIPROC_DIR"] = metrics
+    owned_dirs.hand_over(metrics, environ)
+    new = Adopter(environ)
+    assert new.adopted == metrics and not new.still_named  # (its workers, and a HUP's reload, adopt nothing again)
+    owned_dirs.remove_held(os.getpid())  # the old master exits: the metrics directory is the new master's now
+    assert Path(metrics).is_dir() and not Path(control_dir).exists()
+    assert owned_dirs.remove_stale() == []  # and no master starting meanwhile takes it for a dead one's
+    new.exit()
+    assert list(folder.iterdir()) == []
+
+
+def test_a_rolled_back_usr2_master_leaves_the_metrics_directory_to_the_old_master(folder: Path) -> None:
+    metrics = owned_dirs.make("visionserve-metrics-")
+    environ = {"PROMETHEUS_MULTIPROC_DIR": metrics}
+    owned_dirs.hand_over(metrics, environ)
+    new = Adopter(environ)
+    new.exit()  # the operator stops the new master and keeps the old one
+    assert Path(metrics).is_dir()
+    owned_dirs.remove_held(os.getpid())
+    assert list(folder.iterdir()) == []
+
+
+def test_a_handed_over_variable_naming_no_such_lock_is_not_adopted(folder: Path) -> None:
+    metrics = owned_dirs.make("visionserve-metrics-")
+    with open(os.devnull) as elsewhere:  # a descriptor that is open, but not the directory's lock file
+        for value in (f"{elsewhere.fileno()}:{metrics}", f"999999:{metrics}", f"x:{metrics}", ""):
+            environ = {owned_dirs.HANDED_OVER: value}
+            assert owned_dirs.adopt(environ) is None and environ == {}
+        os.fstat(elsewhere.fileno())  # left open
+    assert not owned_dirs.made_here("/elsewhere") and owned_dirs.made_here(metrics)
