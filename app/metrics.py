@@ -61,18 +61,19 @@ STARTING = "starting"  # the endpoint of requests answered while a worker import
 REQUEST_SECONDS = Histogram("visionserve_request_duration_seconds", "Whole request time, from when its worker had "
                             "it whole (its wait for a request thread included)", ["endpoint"],
                             buckets=_LATENCY_BUCKETS)
-STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage: decode (per request), queue "
-                          "(per image), inference (per batch: the batch made and its forward pass), forward (per "
-                          "batch: the forward pass alone, waited for; on a GPU from where the batch's making ends "
-                          "there)", ["stage"], buckets=_LATENCY_BUCKETS)
+STAGE_SECONDS = Histogram("visionserve_stage_duration_seconds", "Time per stage, by model version: decode (per "
+                          "request), queue (per image), inference (per batch: the batch made and its forward pass), "
+                          "forward (per batch: the forward pass alone, waited for; on a GPU from where the batch's "
+                          "making ends there)", ["model", "version", "stage"], buckets=_LATENCY_BUCKETS)
 # CPU time of the thread doing the stage (time.thread_time): set against the wall-time histograms above it shows
 # time spent waiting for a core, and against the process's whole CPU what HTTP and Python cost per request.
-STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the thread running each stage: decode "
-                            "(a request's images where it is prepared, and a batch's where it is made: the device "
-                            "path decodes there, a part of inference then), inference (the thread running the batch: "
-                            "collate, forward pass, monitor) and forward (the forward pass alone, a part of "
-                            "inference)", ["stage"])
-BATCH_SIZE = Histogram("visionserve_batch_size", "Images per forward pass", buckets=_BATCH_BUCKETS)
+STAGE_CPU_SECONDS = Counter("visionserve_stage_cpu_seconds", "CPU seconds of the thread running each stage, by model "
+                            "version: decode (a request's images where it is prepared, and a batch's where it is "
+                            "made: the device path decodes there, a part of inference then), inference (the thread "
+                            "running the batch: collate, forward pass, monitor) and forward (the forward pass alone, "
+                            "a part of inference)", ["model", "version", "stage"])
+BATCH_SIZE = Histogram("visionserve_batch_size", "Images per forward pass, by model version", ["model", "version"],
+                       buckets=_BATCH_BUCKETS)
 QUEUE_DEPTH = Gauge("visionserve_queue_depth", "Images waiting for the inference worker (told at most 0.1 s apart "
                     "while images come, and 0 once its batches end)", ["model", "version"], multiprocess_mode="livesum")
 PROBES = Counter("visionserve_probe_requests_total", "Health probes, scrapes and API-description requests, "
@@ -88,7 +89,9 @@ REJECTED = Counter("visionserve_rejected_total", "Requests refused for the serve
 BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: images dropped in the queue; "
                          "client_gone: queued images dropped because their client hung up; batch_split: "
                          "out-of-memory batches split and retried; batch_failed: forward passes that raised (a "
-                         "failed batch runs again one image at a time)", ["event"])
+                         "failed batch runs again one image at a time); by model version",
+                         ["model", "version", "event"])
+BATCHER_EVENT_NAMES = ("deadline_dropped", "client_gone", "batch_split", "batch_failed")
 MODEL_INFO = Gauge("visionserve_model_info", "Each loaded model version (1; 0 once unloaded; with several "
                    "processes the highest live one's)", ["name", "version", "device", "dtype"],
                    multiprocess_mode="livemax")
@@ -291,6 +294,7 @@ class MetricsObserver:
         self.retired = False
         # this version's series, looked up once (labels() takes a lock and checks its values on every call)
         self._queue_depth, self._depth_written = QUEUE_DEPTH.labels(model, version), -1
+        self._series: dict[tuple[Any, str], Any] = {}  # its stages' and batcher events' (``_of``)
         self._confidence: Histogram | None = None  # from the first prediction made for a request
         self._predicted: dict[str, Counter] = {}
         self._figures_lock = threading.Lock()  # a batch's figures never land after the version's retire()
@@ -313,6 +317,15 @@ class MetricsObserver:
             MODEL_INFO.labels(*info_labels).set(1)
             QUEUE_CAPACITY.labels(*self._labels).set(queue_size)
             MODEL_MEMORY.labels(*self._labels).set(memory_bytes)
+        for name in BATCHER_EVENT_NAMES:  # at 0 from the start: "none yet" never reads as "no data" to an alert
+            self._of(BATCHER_EVENTS, name)
+
+    def _of(self, metric: Any, label: str) -> Any:
+        """``metric``'s series of this version and ``label`` (a stage, a batcher event), looked up once."""
+        found = self._series.get((metric, label))
+        if found is None:
+            found = self._series[(metric, label)] = metric.labels(*self._labels, label)
+        return found
 
     def _another_copy_serves(self) -> bool:
         """Another copy of this version serves in this process: the series they share are its."""
@@ -402,24 +415,33 @@ class MetricsObserver:
             held, self._held = self._held, _HeldBatches()
         held.cpu_s += accounting_cpu_s
         if held.sizes:
+            of = self._of
             writes = Increments()
-            writes.observe(BATCH_SIZE, held.sizes)
-            writes.observe(series(STAGE_SECONDS, "inference"), held.run_s)
-            writes.inc(series(STAGE_CPU_SECONDS, "inference"), held.cpu_s)
+            writes.observe(series(BATCH_SIZE, *self._labels), held.sizes)
+            writes.observe(of(STAGE_SECONDS, "inference"), held.run_s)
+            writes.inc(of(STAGE_CPU_SECONDS, "inference"), held.cpu_s)
             if held.forward_s:
-                writes.observe(series(STAGE_SECONDS, "forward"), held.forward_s)
-                writes.inc(series(STAGE_CPU_SECONDS, "forward"), held.forward_cpu_s)
+                writes.observe(of(STAGE_SECONDS, "forward"), held.forward_s)
+                writes.inc(of(STAGE_CPU_SECONDS, "forward"), held.forward_cpu_s)
             if held.decode_cpu_s:
-                writes.inc(series(STAGE_CPU_SECONDS, "decode"), held.decode_cpu_s)
-            writes.observe(series(STAGE_SECONDS, "queue"), held.queued_s)
+                writes.inc(of(STAGE_CPU_SECONDS, "decode"), held.decode_cpu_s)
+            writes.observe(of(STAGE_SECONDS, "queue"), held.queued_s)
             writes.write()
         if self._memory_stats is not None and (now := time.monotonic()) - self._memory_read_at >= MEMORY_READ_S:
             self._memory_read_at = now
             show_gpu_memory(self._memory_stats())
 
     def event(self, name: str, count: int = 1) -> None:
-        """Count a batcher event."""
-        BATCHER_EVENTS.labels(name).inc(count)
+        """Count a batcher event of this version."""
+        self._of(BATCHER_EVENTS, name).inc(count)
+
+    def decoded(self, seconds: float, cpu_s: float, requests: int = 1) -> None:
+        """A request's images decoded (or their headers read) in ``seconds``, its thread's ``cpu_s``: a bundle of
+        ``requests`` counts the time once for each (its decode stage) and the CPU once."""
+        writes = Increments()
+        writes.observe_times(self._of(STAGE_SECONDS, "decode"), seconds, requests)
+        writes.inc(self._of(STAGE_CPU_SECONDS, "decode"), cpu_s)
+        writes.write()
 
     def queue_depth(self, depth: int) -> None:
         """Publish the queue depth (written when it changed: the batcher reports it when none was reported lately,
@@ -533,8 +555,7 @@ class RequestTally:
 # Every series an alert or a dashboard reads exists at 0 from the start, so "none yet" never reads as "no data".
 for _reason in ("overloaded", "deadline_unreachable", "not_ready"):
     REJECTED.labels(_reason)
-for _event in ("deadline_dropped", "client_gone", "batch_split", "batch_failed"):
-    BATCHER_EVENTS.labels(_event)
+# (a version's batcher events and stages from when it serves: MetricsObserver.serving)
 
 
 def render() -> tuple[bytes, str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import select
 import signal
 import socket
@@ -26,7 +25,7 @@ import torch
 from PIL import Image
 from torch import nn
 
-from harness.servers import Running
+from harness.servers import Running, metric_sum
 
 
 def _jpeg(color: tuple[int, int, int]) -> bytes:
@@ -299,8 +298,7 @@ def forward_raises(start: Start, choosy: Path) -> Row:
         metrics = requests.get(f"{server.url}/metrics", timeout=5).text
     finally:
         assert server.stop() == 0
-    failed = re.search(r'visionserve_batcher_events_total\{event="batch_failed"\} (\S+)', metrics)
-    passes = float(failed.group(1)) if failed else 0
+    passes = metric_sum(metrics, "visionserve_batcher_events_total", event="batch_failed")
     return Row("forward pass raises on some images (2 of 10 clients)", by_client["good"] + by_client["bad"],
                recover_s, f"500 inference_failed for the bad image only; {passes:.0f} failed passes",
                metrics=metrics, by_client=by_client)
@@ -336,9 +334,9 @@ def client_disconnect(start: Start, weights: Path, hang_ups: int = 20, images: i
         metrics = requests.get(f"{server.url}/metrics", timeout=5).text
     finally:
         assert server.stop() == 0
-    dropped = re.search(r'visionserve_batcher_events_total\{event="client_gone"\} (\S+)', metrics)
+    dropped = metric_sum(metrics, "visionserve_batcher_events_total", event="client_gone")
     return Row(f"clients hang up while their images are queued ({hang_ups} x {images} images)", outcomes,
-               recover_s, f"{float(dropped.group(1)) if dropped else 0:.0f} queued images dropped unrun (client_gone)",
+               recover_s, f"{dropped:.0f} queued images dropped unrun (client_gone)",
                metrics=metrics, metrics_before=before)
 
 

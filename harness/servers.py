@@ -51,6 +51,15 @@ def exit_on_sigterm_in_benchmarks() -> None:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
+def metric_sum(text: str, sample: str, **labels: str) -> float:
+    """The sum of the ``sample`` values (a series' name: ``visionserve_batch_size_sum``) of a /metrics scrape's
+    ``text`` whose labels include ``labels``: a version's series summed, as PromQL's sum() would (0 where none)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(found.value for family in text_string_to_metric_families(text) for found in family.samples
+               if found.name == sample and all(found.labels.get(name) == value for name, value in labels.items()))
+
+
 def free_port() -> int:
     """A loopback port nobody listens on now."""
     with socket.socket() as sock:

@@ -48,7 +48,6 @@ from app.errors import (
     check_image_count,
     retry_after_header,
 )
-from app.metrics import BATCHER_EVENTS, STAGE_CPU_SECONDS, STAGE_SECONDS, Increments, series
 
 
 ShadowOffer = Callable[[Sequence[bytes], Sequence[np.ndarray | torch.Tensor], Sequence[Prepared],
@@ -156,7 +155,7 @@ class Call:
         queued = self.prepare(images, tensors, timeout_s=timeout_s, names=names, arrived=arrived)
         if client_gone is not None and client_gone():
             count = len(queued.prepared)
-            BATCHER_EVENTS.labels("client_gone").inc(count)
+            self._version.observer.event("client_gone", count)
             raise ClientGone(f"the client closed the connection while its images were decoded; {count} dropped")
         self._arrived()
         try:
@@ -198,7 +197,7 @@ class Call:
     def hung_up(self, queued: Queued) -> ClientGone:
         """The client hung up first: the images still queued dropped (and counted); the error to answer."""
         dropped = queued.drop()
-        BATCHER_EVENTS.labels("client_gone").inc(dropped)
+        self._version.observer.event("client_gone", dropped)
         return ClientGone(f"the client closed the connection; {dropped} queued images dropped")
 
     def answer(self, queued: Queued, labels: list[str] | None = None, embedding: bool = False) -> Served:
@@ -259,10 +258,7 @@ class Call:
                                            self._version.decoder.limits) from None
         decode_s, decode_cpu_s = time.perf_counter() - started, time.thread_time() - cpu_started
         self._version.batcher.note_decoded(len(images), decode_s)
-        writes = Increments()  # per request: a bundle's each its decode stage, the bundle's (the CPU once)
-        writes.observe_times(series(STAGE_SECONDS, "decode"), decode_s, self.requests)
-        writes.inc(series(STAGE_CPU_SECONDS, "decode"), decode_cpu_s)
-        writes.write()
+        self._version.observer.decoded(decode_s, decode_cpu_s, self.requests)  # (a bundle's: each its decode stage)
         return prepared, decode_s, decode_cpu_s
 
 

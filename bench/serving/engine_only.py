@@ -167,7 +167,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, None)
     batch_ids = itertools.count()
-    forward_cpu = series(STAGE_CPU_SECONDS, "forward")
+    forward_cpu = series(STAGE_CPU_SECONDS, MODEL, "1", "forward")
     gc.freeze()
     Path(f"{sock}.ready").touch()
     while True:
@@ -202,7 +202,7 @@ def serve_floor(weights: Path, sock: Path, device: str = "cpu") -> None:
                 answers.append(split_outputs(module(batch))[0].softmax(dim=1).cpu().numpy())
                 forward_s += time.thread_time() - forward_started
         forward_cpu.inc(forward_s)  # one counter write a turn, where the engine writes its own once a settle
-        observe_many(BATCH_SIZE, sizes)
+        observe_many(series(BATCH_SIZE, MODEL, "1"), sizes)
         probabilities = np.concatenate(answers)
         run_s, batch_id, at = time.monotonic() - started, next(batch_ids), 0
         frames: dict[socket.socket, list[bytes]] = {}  # a connection's answers of this turn, sent in one call
@@ -363,7 +363,8 @@ def engine_counts() -> dict[str, float]:
     for metric in registry.collect():
         for sample in metric.samples:
             if metric.name == STAGE_CPU_METRIC and sample.name.endswith("_total"):
-                counts[sample.labels["stage"]] = sample.value
+                stage = sample.labels["stage"]  # (summed over the versions a checkout labels it with)
+                counts[stage] = counts.get(stage, 0.0) + sample.value
             elif metric.name == BATCH_SIZE_METRIC and sample.name.endswith(("_count", "_sum")):
                 key = BATCHES if sample.name.endswith("_count") else BATCHED_IMAGES
                 counts[key] += sample.value

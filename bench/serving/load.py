@@ -58,7 +58,8 @@ def _own_cpu_s() -> float:
 
 _COUNTERS = re.compile(r'^visionserve_(batch_size_sum|batch_size_count|stage_cpu_seconds_total|'
                        r'stage_duration_seconds_sum|stage_duration_seconds_count)'
-                       r'(?:\{stage="(\w+)"\})? ([0-9.e+-]+)$', re.M)
+                       r'(?:\{([^}]*)\})? ([0-9.e+-]+)$', re.M)
+_STAGE = re.compile(r'(?:^|,)stage="(\w+)"')
 
 
 def server_counters(base_url: str) -> dict[str, float]:
@@ -68,7 +69,11 @@ def server_counters(base_url: str) -> dict[str, float]:
         text = requests.get(f"{base_url}/metrics", timeout=5).text
     except requests.RequestException:
         return {}
-    return {f"{name}:{stage}" if stage else name: float(value) for name, stage, value in _COUNTERS.findall(text)}
+    counters: dict[str, float] = collections.defaultdict(float)  # summed over model versions (each its series)
+    for name, labels, value in _COUNTERS.findall(text):
+        stage = _STAGE.search(labels)
+        counters[f"{name}:{stage.group(1)}" if stage else name] += float(value)
+    return dict(counters)
 
 
 class _Client:

@@ -74,10 +74,14 @@ def wsgi_environ(body: bytes, content_type: str | None = None, path: str = "/pre
 
 def _counters() -> dict[str, float]:
     """This process's images run and CPU seconds per stage, from the server's own metrics."""
-    from app.metrics import BATCH_SIZE, STAGE_CPU_SECONDS
+    from prometheus_client import REGISTRY
 
-    return {"images": BATCH_SIZE._sum.get(),
-            **{stage: STAGE_CPU_SECONDS.labels(stage)._value.get() for stage in ("decode", "forward")}}
+    def summed(sample: str, **labels: str) -> float:  # over the versions' series
+        return sum(found.value for family in REGISTRY.collect() for found in family.samples
+                   if found.name == sample and all(found.labels.get(k) == v for k, v in labels.items()))
+
+    return {"images": summed("visionserve_batch_size_sum"),
+            **{stage: summed("visionserve_stage_cpu_seconds_total", stage=stage) for stage in ("decode", "forward")}}
 
 
 def _measure(weights: Path, workers: int, bodies: Sequence[bytes], content_type: str, rounds: int,

@@ -39,7 +39,7 @@ from app.link import decode_shares
 from app.link.decode_shares import HAND_OFF_S, LOOP_IMAGE_MAX_S, PROBE_EVERY_S, PROBE_IMAGE_MAX_S, DecodeShares
 from app.link.gathering import YIELD_WEIGHT
 from app.link.loop import EngineServer
-from app.metrics import BATCHER_EVENTS, VERSION_REQUESTS
+from app.metrics import VERSION_REQUESTS
 from tests.support.fakes import ColourModel, FakeRepository, OtherInputRepository, infer, tiny_manifest, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
 from tests.support.loop import LoopWorker
@@ -790,8 +790,7 @@ def test_images_of_a_client_that_hung_up_while_they_were_decoded_are_dropped_unr
         return prepare(data)
 
     version.decoder.prepare = held  # type: ignore[method-assign]
-    dropped = BATCHER_EVENTS.labels("client_gone")
-    before, batches, gone = dropped._value.get(), list(model.batch_sizes), threading.Event()
+    before, batches, gone = _client_gone(), list(model.batch_sizes), threading.Event()
     failures: list[BaseException | None] = []
     thread = threading.Thread(target=lambda: failures.append(_failure(lambda: infer(
         link.worker, [image_bytes(RED), image_bytes(BLUE)], client_gone=gone.is_set))))
@@ -802,7 +801,7 @@ def test_images_of_a_client_that_hung_up_while_they_were_decoded_are_dropped_unr
     assert isinstance(failures[0], ClientGone)
     wait_until(lambda: link.engine.in_flight.count() == 0)  # ended as the connection closed, mid-decode
     release.set()
-    wait_until(lambda: dropped._value.get() == before + 2)  # queued after its end: dropped at once, counted
+    wait_until(lambda: _client_gone() == before + 2)  # queued after its end: dropped at once, counted
     assert model.batch_sizes == batches  # no forward pass for them
 
 
@@ -1001,8 +1000,18 @@ def test_named_photos_run_as_one_bundle_and_a_bad_one_is_answered_apart_under_it
     wait_until(lambda: _outcome_counts(served)["ok"] == before["ok"] + 5 and _all_let_go(served))
 
 
+def _registry_sum(sample: str, **labels: str) -> float:
+    """This process's ``sample`` values whose labels include ``labels``, summed over the versions' series."""
+    return sum(found.value for family in REGISTRY.collect() for found in family.samples
+               if found.name == sample and all(found.labels.get(k) == v for k, v in labels.items()))
+
+
 def _decodes() -> float:
-    return REGISTRY.get_sample_value("visionserve_stage_duration_seconds_count", {"stage": "decode"}) or 0.0
+    return _registry_sum("visionserve_stage_duration_seconds_count", stage="decode")
+
+
+def _client_gone() -> float:
+    return _registry_sum("visionserve_batcher_events_total", event="client_gone")
 
 
 def test_each_photo_of_a_bundle_is_timed_and_counted_as_its_own_request_s_decode(
@@ -1099,8 +1108,7 @@ def test_a_bundle_of_photos_decoded_on_the_cpu_answers_a_bad_one_alone_and_each_
         link: Link, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: the bundle's requests run apart shared its call of three requests, so each counted its decode three
     # times
-    def decodes() -> float:
-        return REGISTRY.get_sample_value("visionserve_stage_duration_seconds_count", {"stage": "decode"}) or 0.0
+    decodes = _decodes
 
     bundles, before, conn, reader = _watched_shared_connection(link, monkeypatch)
     link.server.decode_shares.s_per_byte = HAND_OFF_S / 10_000_000  # one bundle
@@ -1237,11 +1245,10 @@ def test_a_connection_that_closes_leaves_its_requests_of_a_bundle_the_other_conn
 def test_a_bundle_whose_every_client_left_is_dropped_unrun(
         link: Link, model: ColourModel, monkeypatch: pytest.MonkeyPatch) -> None:
     conn, reader = _shared_connection(link)
-    gone = BATCHER_EVENTS.labels("client_gone")
     with conn:
         try:
             _held_and_bundled(link, model, monkeypatch, {conn: {1: 2, 2: 2}})
-            dropped, batches = gone._value.get(), len(model.batch_sizes)
+            dropped, batches = _client_gone(), len(model.batch_sizes)
             wire.send(conn, wire.Cancel((1,)))
             wire.send(conn, wire.Cancel((2,)))
             wait_until(lambda: link.engine.in_flight.count() == 1)
@@ -1249,7 +1256,7 @@ def test_a_bundle_whose_every_client_left_is_dropped_unrun(
             assert model.gate is not None
             model.gate.set()
         wait_until(lambda: _all_let_go(link))
-    assert gone._value.get() == dropped + 2  # the bundle's two images, dropped from the queue
+    assert _client_gone() == dropped + 2  # the bundle's two images, dropped from the queue
     assert model.batch_sizes[batches:] == []  # no batch after the held one's (counted as it began)
 
 
@@ -2820,8 +2827,7 @@ def test_a_loop_request_cancelled_while_queued_is_dropped_unrun(link: Link, mode
     batches = len(model.batch_sizes)
     first.start()  # on a connection of its own: its batch holds the batcher
     wait_until(lambda: len(model.batch_sizes) > batches)
-    dropped = BATCHER_EVENTS.labels("client_gone")
-    before, counted = dropped._value.get(), _outcome_counts(link)
+    before, counted = _client_gone(), _outcome_counts(link)
     loop = LoopWorker()
     with loop.waits():
         loop.start("leaves", lambda: _failure(lambda: infer(link.worker, [image_bytes(BLUE)],
@@ -2830,7 +2836,7 @@ def test_a_loop_request_cancelled_while_queued_is_dropped_unrun(link: Link, mode
         gone.set()
         loop.turn_until(lambda: "leaves" in loop.outcomes)
     assert isinstance(loop.outcomes["leaves"].result(), ClientGone)
-    wait_until(lambda: dropped._value.get() == before + 1)  # its queued image dropped
+    wait_until(lambda: _client_gone() == before + 1)  # its queued image dropped
     wait_until(lambda: _outcome_counts(link)["refused"] == counted["refused"] + 1)  # its client's leaving (499)...
     assert _outcome_counts(link)["failed"] == counted["failed"]  # ...not the version's failure
     model.gate.set()

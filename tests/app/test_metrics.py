@@ -32,8 +32,8 @@ def test_known_series_exist_at_zero_and_no_created_series(client: FlaskClient) -
     text = client.get("/metrics").get_data(as_text=True)
     for reason in ("overloaded", "deadline_unreachable", "not_ready"):
         assert f'visionserve_rejected_total{{reason="{reason}"}}' in text
-    for event in ("deadline_dropped", "batch_split", "batch_failed"):
-        assert f'visionserve_batcher_events_total{{event="{event}"}}' in text
+    for event in ("deadline_dropped", "client_gone", "batch_split", "batch_failed"):  # of each version served
+        assert f'visionserve_batcher_events_total{{event="{event}",model="colour",version="test"}} ' in text
     assert "_created" not in text
 
 
@@ -137,7 +137,8 @@ def test_readiness_the_inference_thread_and_the_queue_capacity_are_metrics(clien
 
 def _stage_seconds(text: str) -> dict[tuple[str, str], float]:
     return {(m.group(1), m.group(2)): float(m.group(3)) for m in re.finditer(
-        r'^visionserve_stage_duration_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', text, re.M)}
+        r'^visionserve_stage_duration_seconds_(sum|count)\{model="colour",stage="(\w+)",version="test"\} (\S+)$', text,
+        re.M)}
 
 
 def test_a_405_counts_under_the_route_it_reached_and_a_404_as_unmatched(client: FlaskClient) -> None:
@@ -160,12 +161,14 @@ def test_metrics_count_requests_batches_and_rejections(client: FlaskClient) -> N
     text = client.get("/metrics").get_data(as_text=True)
     assert 'visionserve_requests_total{endpoint="/predict",status="200"}' in text
     assert 'visionserve_requests_total{endpoint="/predict",status="400"}' in text
-    for name in ("visionserve_batch_size_bucket", 'visionserve_stage_duration_seconds_count{stage="decode"}',
+    for name in ('visionserve_batch_size_count{model="colour",version="test"}',
+                 'visionserve_stage_duration_seconds_count{model="colour",stage="decode",version="test"}',
                  'stage="queue"', 'stage="inference"', "visionserve_queue_depth",
                  'visionserve_model_info{device="cpu",dtype="float32",name="colour",version="test"} 1.0'):
         assert name in text
     cpu = {m.group(1): float(m.group(2)) for m in
-           re.finditer(r'^visionserve_stage_cpu_seconds_total\{stage="(\w+)"\} (\S+)$', text, re.M)}
+           re.finditer(r'^visionserve_stage_cpu_seconds_total\{model="colour",stage="(\w+)",version="test"\} (\S+)$',
+                       text, re.M)}
     assert cpu["decode"] > 0 and cpu["inference"] > 0 and 0 < cpu["forward"] <= cpu["inference"]
     # the forward pass's own time per batch, within its batch's
     seconds = {key: value - before.get(key, 0.0) for key, value in _stage_seconds(text).items()}

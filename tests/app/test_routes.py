@@ -458,7 +458,9 @@ def test_cuda_out_of_memory_splits_the_batch_and_lowers_the_cap(client: FlaskCli
     assert [p["label"] for p in response.get_json()["predictions"]] == ["red", "blue", "red", "blue"]
     assert model.batch_sizes == [4, 2, 1, 1, 2, 1, 1]
     assert client.get("/v1/models").get_json()["models"][0]["batching"]["current_max_batch_size"] == 1
-    assert 'visionserve_batcher_events_total{event="batch_split"}' in client.get("/metrics").get_data(as_text=True)
+    splits = re.search(r'^visionserve_batcher_events_total\{event="batch_split",model="colour",version="test"\} (\S+)$',
+                       client.get("/metrics").get_data(as_text=True), re.M)
+    assert splits and float(splits.group(1)) >= 1  # (counted as the served version's)
 
 
 def test_predict_takes_a_body_compressed_with_gzip_in_every_form_and_refuses_one_that_is_not(

@@ -224,7 +224,8 @@ def test_images_of_a_client_that_hung_up_are_dropped_before_their_forward_pass(s
     from app.errors import ClientGone
     from app.metrics import BATCHER_EVENTS
 
-    dropped_before = BATCHER_EVENTS.labels("client_gone")._value.get()
+    dropped = BATCHER_EVENTS.labels("colour", "test", "client_gone")  # the served version's
+    dropped_before = dropped._value.get()
     model.batch_sizes.clear()  # warm-up's batches
     model.gate = threading.Event()
     gone = threading.Event()
@@ -240,4 +241,4 @@ def test_images_of_a_client_that_hung_up_are_dropped_before_their_forward_pass(s
         first.result(timeout=5)
     wait_until(lambda: service.loaded_version().batcher.depth == 0)
     assert model.batch_sizes == [1]  # the three queued images never ran
-    assert BATCHER_EVENTS.labels("client_gone")._value.get() == dropped_before + 3
+    assert dropped._value.get() == dropped_before + 3

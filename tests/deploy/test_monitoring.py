@@ -78,15 +78,19 @@ def test_the_queue_alert_fires_on_the_time_images_wait_not_on_a_share_of_the_que
     # Before: the queue's depth over 80% of its capacity, which the default queue (every worker's threads' images)
     # never reaches: 2.7% with the cores saturated by 128 clients (an SRE's trial)
     def waiting(slow_per_minute: int) -> dict[str, str]:  # 60 images a minute, ``slow_per_minute`` of them > 1 s
-        fast = 60 - slow_per_minute
-        buckets = {"0.1": fast, "0.5": fast, "1.0": fast, "2.5": 60, "+Inf": 60}
-        return {f'visionserve_stage_duration_seconds_bucket{{stage="queue",instance="a",le="{le}"}}':
-                f"0+{per_minute}x30" for le, per_minute in buckets.items()}
+        series = {}
+        for version, slow in (("1", slow_per_minute), ("2", 0)):  # another version of the model: never slow
+            fast = 60 - slow
+            buckets = {"0.1": fast, "0.5": fast, "1.0": fast, "2.5": 60, "+Inf": 60}
+            series.update({f'visionserve_stage_duration_seconds_bucket{{model="cats",version="{version}",'
+                           f'stage="queue",instance="a",le="{le}"}}': f"0+{per_minute}x30"
+                           for le, per_minute in buckets.items()})
+        return series
 
-    said = {"severity": "ticket", "instance": "a"}
+    said = {"severity": "ticket", "instance": "a", "model": "cats", "version": "1"}  # the slow version's alone
     annotations = {**_alert("VisionserveQueueWait")["annotations"],
-                   "summary": "a: images wait 2.05s (p95) in the inference queue: the engine is saturated; add "
-                              "replicas or devices"}  # p95: 7 of the 10 images between 1 and 2.5 s
+                   "summary": "a: cats 1's images wait 2.05s (p95) in the inference queue: the engine is saturated; "
+                              "add replicas or devices"}  # p95: 7 of the 10 images between 1 and 2.5 s
     _promtool_test(tmp_path, waiting(10), [  # a sixth of them over a second: p95 past 0.5 s
         {"eval_time": "8m", "alertname": "VisionserveQueueWait", "exp_alerts": []},  # not for 10 minutes yet
         {"eval_time": "20m", "alertname": "VisionserveQueueWait",

@@ -23,6 +23,7 @@ import requests
 from PIL import Image
 
 from harness.servers import Running
+from tests.support.fakes import wait_until
 from tests.support.imaging import encode
 
 # A photo-like JPEG past the 64 KiB that gunicorn's own skip of an unread body gives up at.
@@ -33,7 +34,10 @@ JPEG = {"Content-Type": "image/jpeg"}
 
 @pytest.fixture
 def server(engine_server: Running) -> Running:
-    """The session's ENGINE=process server (tests/conftest.py), shared with the other engine-process tests."""
+    """The session's ENGINE=process server (tests/conftest.py), shared with the other engine-process tests, once
+    every process of it reads ready: its /readyz answers 200 from the first worker that serves, while the other may
+    still load (visionserve_ready is the lowest of them: a scrape then read 0, on a loaded CI machine)."""
+    wait_until(lambda: _metrics(engine_server).get("visionserve_ready") == 1, timeout=120)
     return engine_server
 
 
@@ -49,6 +53,12 @@ def _metrics(server: Running) -> dict[str, float]:
     """One scrape on a new connection (either worker may answer): series (with labels) -> value."""
     text = requests.get(f"{server.url}/metrics", headers={"Connection": "close"}, timeout=30).text
     return {name: float(value) for name, value in re.findall(r"^(\S+) (\S+)$", text, re.MULTILINE)}
+
+
+def _total(metrics: dict[str, float], name: str, *labels: str) -> float:
+    """A series' values over every model version (``labels``: 'stage="inference"' each), summed."""
+    return sum(value for series, value in metrics.items()
+               if series.partition("{")[0] == name and all(label in series for label in labels))
 
 
 def _answered(metrics: dict[str, float]) -> float:
@@ -68,8 +78,8 @@ def test_ready_and_batcher_alive_read_1_and_the_engine_s_series_reach_metrics(se
     for _ in range(3):
         assert requests.post(f"{server.url}/predict", data=PHOTO, headers=JPEG, timeout=30).status_code == 200
     metrics = _assert_ready_and_alive(server)
-    assert metrics["visionserve_batch_size_count"] >= 1
-    assert metrics['visionserve_stage_duration_seconds_count{stage="inference"}'] >= 1
+    assert _total(metrics, "visionserve_batch_size_count") >= 1
+    assert _total(metrics, "visionserve_stage_duration_seconds_count", 'stage="inference"') >= 1
     assert [value for name, value in metrics.items() if name.startswith("visionserve_model_info{")] == [1]
     assert [name for name, value in metrics.items() if name.startswith("visionserve_queue_capacity{") and value > 0]
 
@@ -164,7 +174,7 @@ def test_kept_alive_clients_across_an_engine_sigkill_see_answers_only_and_metric
     # /readyz answers 200 once one worker serves; the gauge is the lowest of the two (the second one, on a loaded
     # machine, may still be reaching its engine: a suite run read 0 here once)
     _wait(lambda: _metrics(server)["visionserve_ready"] == 1, server, timeout_s=60)
-    batches = _assert_ready_and_alive(server)["visionserve_batch_size_count"]
+    batches = _total(_assert_ready_and_alive(server), "visionserve_batch_size_count")
     with Clients(server.url, server.port) as clients:
         for client in (clients.session, clients.session, clients.bare):
             clients.start(client)
@@ -185,7 +195,7 @@ def test_kept_alive_clients_across_an_engine_sigkill_see_answers_only_and_metric
     _wait(lambda: (lambda m: m["visionserve_ready"] == m["visionserve_batcher_alive"] == 1)(_metrics(server)), server,
           timeout_s=30)
     metrics = _assert_ready_and_alive(server)
-    assert metrics["visionserve_batch_size_count"] > batches  # the new engine's batches beside the old one's
+    assert _total(metrics, "visionserve_batch_size_count") > batches  # the new engine's batches beside the old one's
     assert f"engine 0 (pid {engine}) died with status -9; restarting it" in server.output()
     assert "died with status 0" not in server.output()
     # The killed engine's info series went with it: unloaded by its restart, the model reads 0 (a "max" gauge kept
@@ -223,6 +233,6 @@ def test_a_scrape_counts_every_answer_before_it_though_the_engine_holds_its_batc
     for _ in range(4):  # one at a time: a batch each
         assert requests.post(f"{server.url}/predict", data=PHOTO, headers=JPEG, timeout=30).status_code == 200
     after = _metrics(server)
-    assert after["visionserve_batch_size_count"] - before["visionserve_batch_size_count"] == 4
+    assert _total(after, "visionserve_batch_size_count") - _total(before, "visionserve_batch_size_count") == 4
     assert _answered(after) == _answered(before) + 4 == 5  # every request answered, the first one too
     assert server.stop() == 0

@@ -22,7 +22,7 @@ import requests
 
 from visionserve_client import Client
 from harness import faults
-from harness.servers import Running
+from harness.servers import Running, metric_sum
 
 Start = Callable[..., Running]
 
@@ -216,10 +216,10 @@ def test_a_reload_with_hup_answers_every_request(small_weights: Path, start_serv
     assert late, "no answer came from the draining worker past its drain: the test proved nothing"
 
 
-def _metric(row: faults.Row, sample: str, before: bool = False) -> float:
-    """One sample of the row's /metrics after it recovered, or ``before`` the fault (0 where it is absent)."""
-    found = re.search(rf"^{re.escape(sample)} (\S+)$", row.metrics_before if before else row.metrics, re.M)
-    return float(found.group(1)) if found else 0.0
+def _metric(row: faults.Row, sample: str, before: bool = False, **labels: str) -> float:
+    """A sample of the row's /metrics after it recovered, or ``before`` the fault, over its series of ``labels``
+    (every model version's) summed (0 where there is none)."""
+    return metric_sum(row.metrics_before if before else row.metrics, sample, **labels)
 
 
 def test_a_forward_pass_that_raises_fails_only_its_own_request(choosy: Path, start_server: Start) -> None:
@@ -234,7 +234,7 @@ def test_a_forward_pass_that_raises_fails_only_its_own_request(choosy: Path, sta
         {("response", 500, "inference_failed"): len(bad)}), [o for o in bad if o.status != 500][:3]
     # Each bad image fails one pass alone; a pass more is a batch that failed as a whole (with 8 good clients to 2
     # bad, a good image in it).
-    failed_passes = _metric(row, 'visionserve_batcher_events_total{event="batch_failed"}')
+    failed_passes = _metric(row, "visionserve_batcher_events_total", event="batch_failed")
     assert failed_passes > len(bad), "no batch with a good image in it failed: the test proved nothing"
     assert row.recover_s is not None
 
@@ -246,7 +246,7 @@ def test_clients_that_hang_up_while_queued_cost_no_forward_pass(small_weights: P
     row = faults.client_disconnect(start_server, small_weights, hang_ups=hang_ups, images=images)
     _report(row)
     assert row.statuses == Counter({200: len(row.outcomes)})  # the others' requests are untouched
-    dropped = _metric(row, 'visionserve_batcher_events_total{event="client_gone"}')
+    dropped = _metric(row, "visionserve_batcher_events_total", event="client_gone")
     assert dropped > 0, row.note
     # visionserve_batch_size_sum: the images of the forward passes that ran (a failed pass counts none; none fails
     # here). Each image sent (the load's, one each, the recovery probe's and the hang-ups') runs once or is dropped

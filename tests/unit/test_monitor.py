@@ -254,8 +254,8 @@ def test_a_confidence_equal_to_the_threshold_is_not_low_whatever_its_decimal() -
 
 
 def test_batches_figures_are_held_until_settled_then_written_as_each_batch_s_would_be() -> None:
-    def sample(name: str, labels: dict[str, str] | None = None) -> float:
-        return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+    def sample(name: str, labels: dict[str, str] | None = None) -> float:  # the version's own series
+        return REGISTRY.get_sample_value(name, {"model": "held", "version": "1", **(labels or {})}) or 0.0
 
     names = [("visionserve_batch_size_count", None), ("visionserve_batch_size_sum", None),
              ("visionserve_batch_size_bucket", {"le": "4.0"}),
@@ -286,7 +286,7 @@ def test_a_batch_s_every_forward_pass_is_held_with_it_those_that_raised_as_cpu_a
     # A batch split for memory: the whole pass raised (its CPU and its decoding spent, no forward pass's time), the
     # two halves answered; all three count with the one batch done, and nothing is left for the next batch
     def sample(stage: str, name: str = "visionserve_stage_cpu_seconds_total") -> float:
-        return REGISTRY.get_sample_value(name, {"stage": stage}) or 0.0
+        return REGISTRY.get_sample_value(name, {"model": "split", "version": "1", "stage": stage}) or 0.0
 
     names = [("forward", "visionserve_stage_duration_seconds_count"),
              ("forward", "visionserve_stage_duration_seconds_sum"), ("forward",), ("decode",)]
