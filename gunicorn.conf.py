@@ -139,8 +139,10 @@ def on_starting(server) -> None:  # noqa: ANN001
     if not getattr(server, "master_pid", 0):  # a master started by another's USR2: the old workers' marks are live
         control.clear_stale(Path(os.environ["VISIONSERVE_CONTROL_DIR"]))  # a kept directory's: an earlier start's
         _say_kept_desired_state(server)
+    _carry_over_from_predecessor(server)
     _tell_predecessor(server)
     _listen_again_once_promoted(server)
+    _listen_again_after_a_rollback(server)
     _clear_metrics(server)
     chosen = "" if _settings.engine != "auto" else (" (ENGINE=auto: a GPU)" if _engine == "process" else
                                                      " (ENGINE=auto: no GPU in use)")
@@ -257,6 +259,26 @@ def _say_kept_desired_state(server) -> None:  # noqa: ANN001
                         control_dir / control.DESIRED)
 
 
+def _carry_over_from_predecessor(server) -> None:  # noqa: ANN001
+    """USR2's new master, in a CONTROL_DIR it made itself: the desired state of the master that started it (what
+    calls and rollouts changed), its versions' drift references and batch caps taken into it before any worker or
+    engine starts, so they serve what the old master's served (a master given its predecessor's kept CONTROL_DIR
+    shares them already)."""
+    predecessor, mine = os.environ.get(control.PREDECESSOR_VARIABLE), os.environ["VISIONSERVE_CONTROL_DIR"]
+    if not predecessor or Path(predecessor) == Path(mine) or not owned_dirs.made_here(mine):
+        return
+    try:
+        copied = control.carry_over(Path(predecessor), Path(mine))
+    except OSError as exc:
+        server.log.warning("visionserve: the desired state of the master before (%s) could not be taken over (%s): "
+                           "the workers serve the repository's policies afresh", predecessor, exc)
+        return
+    kept = kept_from_an_earlier_run(Path(mine)) if control.DESIRED in copied else None
+    if kept is not None:
+        server.log.info("visionserve: the models' desired state of the master before (%s) carried over, which the "
+                        "workers serve (%s)", predecessor, kept)
+
+
 def _listen_again_once_promoted(server) -> None:  # noqa: ANN001
     """A master a USR2 started, in its predecessor's CONTROL_DIR (one the operator keeps): the predecessor's stop
     removes gunicorn.ctl, where this master's control socket listens (gunicorn removes its socket's path whoever
@@ -268,13 +290,36 @@ def _listen_again_once_promoted(server) -> None:  # noqa: ANN001
     def maybe_promote_master() -> None:
         predecessor = server.master_pid
         promote()
-        if predecessor and not server.master_pid and not os.path.exists(control_socket):
-            server._stop_control_server()
-            server._start_control_server()
-            server.log.info("visionserve: the control socket listens again at %s (the master before removed it "
-                            "as it stopped)", control_socket)
+        if predecessor and not server.master_pid:
+            _listen_again(server, "the master before")
 
     server.maybe_promote_master = maybe_promote_master
+
+
+def _listen_again_after_a_rollback(server) -> None:  # noqa: ANN001
+    """The master a USR2 started beside this one, in the same CONTROL_DIR, stopped (an operator rolling back): its
+    stop removed gunicorn.ctl, where this master's control socket listened, so once it is reaped this master listens
+    there again (before, gunicornc reached no master until this one's next HUP or start: an upgrade trial)."""
+    reap = getattr(server, "reap_workers", None)
+    if not callable(reap):
+        return
+
+    def reap_workers() -> None:
+        successor = getattr(server, "reexec_pid", 0)
+        reap()
+        if successor and not getattr(server, "reexec_pid", 0):
+            _listen_again(server, "the master a USR2 started")
+
+    server.reap_workers = reap_workers
+
+
+def _listen_again(server, gone: str) -> None:  # noqa: ANN001
+    """This master's control socket listening at gunicorn.ctl again where the ``gone`` master's stop removed it."""
+    if not os.path.exists(control_socket):
+        server._stop_control_server()
+        server._start_control_server()
+        server.log.info("visionserve: the control socket listens again at %s (%s removed it as it stopped)",
+                        control_socket, gone)
 
 
 def _clear_metrics(server) -> None:  # noqa: ANN001

@@ -92,6 +92,7 @@ BATCHER_EVENTS = Counter("visionserve_batcher_events_total", "deadline_dropped: 
                          "failed batch runs again one image at a time); by model version",
                          ["model", "version", "event"])
 BATCHER_EVENT_NAMES = ("deadline_dropped", "client_gone", "batch_split", "batch_failed")
+STAGES = ("decode", "queue", "inference", "forward")  # a version's stages (STAGE_SECONDS, STAGE_CPU_SECONDS)
 MODEL_INFO = Gauge("visionserve_model_info", "Each loaded model version (1; 0 once unloaded; with several "
                    "processes the highest live one's)", ["name", "version", "device", "dtype"],
                    multiprocess_mode="livemax")
@@ -317,8 +318,13 @@ class MetricsObserver:
             MODEL_INFO.labels(*info_labels).set(1)
             QUEUE_CAPACITY.labels(*self._labels).set(queue_size)
             MODEL_MEMORY.labels(*self._labels).set(memory_bytes)
-        for name in BATCHER_EVENT_NAMES:  # at 0 from the start: "none yet" never reads as "no data" to an alert
+        # at 0 from the start: "none yet" never reads as "no data" to an alert, nor a rate() misses the first batch
+        for name in BATCHER_EVENT_NAMES:
             self._of(BATCHER_EVENTS, name)
+        for stage in STAGES:
+            self._of(STAGE_SECONDS, stage)
+            self._of(STAGE_CPU_SECONDS, stage)
+        series(BATCH_SIZE, *self._labels)
 
     def _of(self, metric: Any, label: str) -> Any:
         """``metric``'s series of this version and ``label`` (a stage, a batcher event), looked up once."""

@@ -18,7 +18,10 @@ the engine processes. Every name in it is made here and nowhere else:
 - ``http-<pid>.loading``: an HTTP worker from its fork until it serves (or drains): a HUP's new worker, for which
   the old one, draining, answers on past SHUTDOWN_DRAIN_S while none serves (``replacement_loading``);
 - ``successor``: the CONTROL_DIR of the master a USR2 of this one started, written by that master at its start (it
-  is told this one's by ``PREDECESSOR_VARIABLE``).
+  is told this one's by ``PREDECESSOR_VARIABLE``);
+- ``batch-cap-*`` and ``monitor-reference-*.json``: a version's measured batch cap and drift reference, kept for
+  its later starts (a USR2's new master takes them, and the desired state, into its own new CONTROL_DIR:
+  ``carry_over``).
 
 Standard library only: the master imports it, and so does the engine (the desired state's names).
 """
@@ -40,6 +43,9 @@ BOOT_FAILURES = "boot-*.failed"  # why a master's first worker that could not st
 # What the engines and the HTTP workers leave behind (a master starting on a kept directory clears them).
 SUCCESSOR = "successor"  # in a master's CONTROL_DIR: the CONTROL_DIR of the master its USR2 started (which writes it)
 BATCH_CAPS = "batch-cap-*"  # a version's batch cap as its first start in this server measured it (``batch_cap``)
+MONITOR_REFERENCES = "monitor-reference-*.json"  # a version's drift reference (``monitor_reference``)
+# What USR2's new master takes from its predecessor's CONTROL_DIR into a new one of its own (``carry_over``)
+CARRIED_OVER = (DESIRED, MONITOR_REFERENCES, BATCH_CAPS)
 STALE_AT_START = ("engine-*.failed", "engine-*.sock", READY_MARKS, LEAVING_MARKS, LOADING_MARKS, REPORTS,
                   BOOT_FAILURES, SUCCESSOR, BATCH_CAPS)
 _HAS_PROC = Path("/proc/self/status").exists()  # Linux: a pid's process is looked up there (``process_alive``)
@@ -78,7 +84,27 @@ def batch_cap(control_dir: Path, measured: str) -> Path:
 def monitor_reference(control_dir: Path, taken: str) -> Path:
     """Where the drift reference a start of what ``taken`` names (a version by its files) took from its first
     predictions is kept: later starts judge by it (app/engine/loaded/version.py ``_keep_reference``)."""
-    return control_dir / f"monitor-reference-{hashlib.sha256(taken.encode()).hexdigest()[:24]}.json"
+    return control_dir / MONITOR_REFERENCES.replace("*", hashlib.sha256(taken.encode()).hexdigest()[:24])
+
+
+def carry_over(predecessor: Path, control_dir: Path) -> list[str]:
+    """What USR2's new master takes from the CONTROL_DIR of the master that started it into its own new one
+    (``CARRIED_OVER``): the models' desired state (what calls and rollouts changed: an unload, a rollback, a held
+    default), its versions' drift references and their measured batch caps, each copied whole (written beside, then
+    put in its place); the names copied. Without it the new master served the repository's policies afresh: a
+    version rolled back from served again (an upgrade trial)."""
+    copied = []
+    for pattern in CARRIED_OVER:
+        for found in sorted(predecessor.glob(pattern)):
+            try:
+                data = found.read_bytes()  # (each written whole by its writer: write_json, or the same rename)
+            except OSError:  # removed meanwhile (the old master stopping): nothing of it to take
+                continue
+            written = control_dir / f".{found.name}.{os.getpid()}.tmp"
+            written.write_bytes(data)
+            written.replace(control_dir / found.name)
+            copied.append(found.name)
+    return copied
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -208,6 +208,44 @@ def test_usr2_s_new_master_is_handed_the_metrics_directory_its_master_made_and_n
     owned_dirs.remove_held(os.getpid())
 
 
+def test_usr2_s_new_master_in_a_control_dir_of_its_own_serves_the_desired_state_of_the_master_before(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: it started from the repository's policies afresh (a new temporary CONTROL_DIR), so a version rolled
+    # back from served again and a model a call unloaded came back (an upgrade trial)
+    import tempfile
+    from types import SimpleNamespace
+
+    from app.hosting import owned_dirs
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(owned_dirs, "_HELD", {})
+    old, mine = tmp_path / "old", Path(owned_dirs.make(owned_dirs.CONTROL_PREFIX))
+    old.mkdir()
+    SharedDesiredState(old).write({"cats": {"versions": ["1", "2"], "default": "1", "rolled_back": ["2"]},
+                                   "dogs": {"versions": [], "default": None}})
+    carried = [control.batch_cap(old, "cats/1/cpu"), control.monitor_reference(old, "cats/1")]
+    for path in carried:
+        path.write_text("{}")
+    stale = [control.ready_mark(old, 4242), control.report(old, 4242), old / control.SUCCESSOR]
+    for path in stale:
+        path.write_text("{}")
+    config = _gunicorn_config(monkeypatch, mine)
+    monkeypatch.setenv("VISIONSERVE_CONTROL_DIR", str(mine))
+    monkeypatch.setenv(control.PREDECESSOR_VARIABLE, str(old))
+    said: list[str] = []
+    server = SimpleNamespace(log=SimpleNamespace(info=lambda message, *args: said.append(message % args)))
+    config["_carry_over_from_predecessor"](server)
+    assert (mine / control.DESIRED).read_bytes() == (old / control.DESIRED).read_bytes()
+    assert sorted(path.name for path in mine.iterdir() if not path.name.startswith(".")) == sorted(
+        [control.DESIRED, *(path.name for path in carried)])  # not the old workers' marks and reports
+    assert len(said) == 1 and "cats versions 1, 2, default 1, 2 rolled back; dogs unloaded by a call" in said[0]
+    # a master given its predecessor's kept CONTROL_DIR, or one of its own it kept, takes nothing
+    (mine / control.DESIRED).unlink()
+    monkeypatch.setattr(owned_dirs, "_HELD", {})
+    config["_carry_over_from_predecessor"](server)
+    assert not (mine / control.DESIRED).exists() and len(said) == 1
+
+
 def test_usr2_s_new_master_runs_on_the_environment_of_the_release_now_in_its_working_directory(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: gunicorn executes the old master's interpreter again, so a release swapped in with a .venv of its own
@@ -276,6 +314,15 @@ def test_a_master_folds_an_ended_worker_s_metrics_with_what_it_imported_at_its_s
     assert not control.report(control_dir, 4242).exists()
 
 
+def _with_a_control_socket(calls: list[str], said: list[str], **attributes: object) -> object:
+    """A stand-in arbiter whose control socket's stops and starts land in ``calls`` and log lines in ``said``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(**attributes, _stop_control_server=lambda: calls.append("stop"),
+                           _start_control_server=lambda: calls.append("start"),
+                           log=SimpleNamespace(info=lambda message, *args: said.append(message % args)))
+
+
 def test_a_usr2_master_in_its_predecessor_s_control_dir_listens_again_once_promoted(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Before: an operator's kept CONTROL_DIR, USR2, then TERM to the old master: the old master's stop removed
@@ -290,10 +337,7 @@ def test_a_usr2_master_in_its_predecessor_s_control_dir_listens_again_once_promo
     def promoted() -> None:  # gunicorn's: the old master gone, this one's master_pid 0
         server.master_pid = 0
 
-    server = SimpleNamespace(master_pid=4242, maybe_promote_master=promoted,
-                             _stop_control_server=lambda: calls.append("stop"),
-                             _start_control_server=lambda: calls.append("start"),
-                             log=SimpleNamespace(info=lambda message, *args: said.append(message % args)))
+    server = _with_a_control_socket(calls, said, master_pid=4242, maybe_promote_master=promoted)
     config["_listen_again_once_promoted"](server)
     server.maybe_promote_master()
     assert calls == ["stop", "start"] and str(tmp_path / "gunicorn.ctl") in said[0]
@@ -309,6 +353,38 @@ def test_a_usr2_master_in_its_predecessor_s_control_dir_listens_again_once_promo
     first = SimpleNamespace(master_pid=0, maybe_promote_master=promoted)
     config["_listen_again_once_promoted"](first)
     assert first.maybe_promote_master is promoted
+
+
+def test_a_master_whose_usr2_successor_stopped_listens_again_at_its_control_socket(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a rollback on a kept CONTROL_DIR (USR2, then TERM to the new master): the new master's stop removed
+    # gunicorn.ctl, where the kept old master's control socket listened, and gunicornc reached no master until the
+    # old one's next HUP (an upgrade trial).
+    config = _gunicorn_config(monkeypatch, tmp_path)
+    said: list[str] = []
+    calls: list[str] = []
+    ended: list[int] = []
+
+    def reaped() -> None:  # gunicorn's: an ended USR2 child's pid taken off reexec_pid
+        if ended:
+            server.reexec_pid = 0
+
+    server = _with_a_control_socket(calls, said, reexec_pid=0, reap_workers=reaped)
+    config["_listen_again_after_a_rollback"](server)
+    server.reap_workers()  # a worker's end, no USR2 child: nothing
+    server.reexec_pid = 4343
+    server.reap_workers()  # the USR2 child still runs
+    assert calls == []
+    ended.append(4343)
+    server.reap_workers()
+    assert calls == ["stop", "start"] and str(tmp_path / "gunicorn.ctl") in said[0]
+    server.reap_workers()  # once only
+    assert calls == ["stop", "start"]
+    # the new master in a CONTROL_DIR of its own left this one's socket where it was: nothing to do
+    (tmp_path / "gunicorn.ctl").touch()
+    server.reexec_pid = 4444
+    server.reap_workers()
+    assert calls == ["stop", "start"]
 
 
 def test_a_master_started_on_a_kept_control_dir_says_the_desired_state_its_workers_serve(

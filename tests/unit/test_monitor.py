@@ -13,7 +13,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from app.engine.loaded.monitor import PSI_EPSILON, PredictionMonitor, class_bins, population_stability_index
-from app.metrics import MetricsObserver
+from app.metrics import BATCHER_EVENT_NAMES, STAGES, MetricsObserver
 from models.export.manifest import PredictionReference
 
 LABELS = [f"class{i}" for i in range(6)]
@@ -251,6 +251,20 @@ def test_a_confidence_equal_to_the_threshold_is_not_low_whatever_its_decimal() -
     assert monitor.observe(row).low_confidence_ratio == 0.0
     row[0, 2] = torch.nextafter(torch.tensor(0.7), torch.tensor(0.0))
     assert monitor.observe(row).low_confidence_ratio == 0.5
+
+
+def test_a_serving_version_s_engine_series_exist_at_zero_from_its_start() -> None:
+    # Before: its stage and batch series appeared with its first batch, so a rate() over them missed that batch
+    observer = MetricsObserver(model="fresh", version="9")
+    labels = {"model": "fresh", "version": "9"}
+    assert REGISTRY.get_sample_value("visionserve_batch_size_count", labels) is None
+    observer.serving(("fresh", "9", "cpu", "float32"), 64, 1000)
+    names = [("visionserve_batch_size_count", {}), ("visionserve_batch_size_sum", {}),
+             *(("visionserve_stage_duration_seconds_count", {"stage": stage}) for stage in STAGES),
+             *(("visionserve_stage_cpu_seconds_total", {"stage": stage}) for stage in STAGES),
+             *(("visionserve_batcher_events_total", {"event": event}) for event in BATCHER_EVENT_NAMES)]
+    assert [REGISTRY.get_sample_value(name, {**labels, **more}) for name, more in names] == [0.0] * len(names)
+    observer.retire()
 
 
 def test_batches_figures_are_held_until_settled_then_written_as_each_batch_s_would_be() -> None:
