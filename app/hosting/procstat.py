@@ -21,8 +21,12 @@ def children(pid: int) -> list[int]:
     """``pid``'s live children, sorted: each of its threads' (a child is listed under the thread that started it);
     none when /proc does not say (the process is gone, or the kernel keeps no such list). A thread that ends while
     they are read (a server's thread per connection) takes only its own children's list with it."""
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
+    except OSError:  # it ended while its threads were listed (a drill step's process: the drill's run failed)
+        return []
     found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+    for task in tasks:
         try:
             found += [int(child) for child in task.read_text().split()]
         except (OSError, ValueError):
