@@ -12,6 +12,7 @@ import logging
 import os
 import pickle
 import select
+import shutil
 import socket
 import tempfile
 import threading
@@ -2978,6 +2979,7 @@ def test_out_of_file_descriptors_the_loop_pauses_its_accepts_and_serves_on(
         assert full.accepts < 20  # rested between tries (the loop spinning on the readable listener made thousands)
     finally:
         server.stop(5)  # as at a SIGTERM: the counts its loop holds written too
+        shutil.rmtree(folder, ignore_errors=True)  # (each run left its socket's folder in /tmp)
 
 
 def test_the_engine_decodes_on_the_cores_its_container_may_use_or_the_setting_gives(

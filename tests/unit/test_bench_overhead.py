@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import tempfile
 import subprocess
 import sys
 from pathlib import Path
@@ -304,9 +305,15 @@ def test_an_engine_that_runs_smaller_batches_than_its_clients_is_run_again_with_
 @pytest.mark.slow
 def test_the_http_side_breakdown_runs_every_step_against_an_engine_and_reports_it() -> None:
     # bench.serving.http_side, as docs/performance.md shows it: an engine process, the app through WSGI (~15 s)
-    done = subprocess.run([sys.executable, "-m", "bench.serving.http_side", "--smoke", "--forms", "v2 x1"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    short = Path(tempfile.mkdtemp(prefix="vs-"))  # its temporary folder (a pytest one is too long a socket's path)
+    try:
+        done = subprocess.run([sys.executable, "-m", "bench.serving.http_side", "--smoke", "--forms", "v2 x1"],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "TMPDIR": str(short)})
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert not list(short.glob("visionserve-http-side-*"))  # its CONTROL_DIR and metrics gone (one left a run)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
     rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| v2 x1 |")]
     assert [row[1] for row in rows] == ["bare app", "the app", "without the exchange", "and the timing headers",
                                         "and the hooks"]
