@@ -483,9 +483,8 @@ def pre_exec(server) -> None:  # noqa: ANN001
     not yet (they took them, to answer 503 while their engines loaded)."""
     owned_dirs.leave_out_of(server.cfg.env_orig)
     metrics_dir = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if metrics_dir and owned_dirs.made_here(metrics_dir):
+    if metrics_dir and owned_dirs.made_here(metrics_dir) and owned_dirs.hand_over(metrics_dir, server.cfg.env_orig):
         server.cfg.env_orig["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-        owned_dirs.hand_over(metrics_dir, server.cfg.env_orig)
     server.cfg.env_orig[control.PREDECESSOR_VARIABLE] = os.environ["VISIONSERVE_CONTROL_DIR"]
     _on_the_release_s_own_environment(server)
 

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import requests
 
@@ -51,12 +51,14 @@ def exit_on_sigterm_in_benchmarks() -> None:
         signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
 
-def metric_sum(text: str, sample: str, **labels: str) -> float:
+def metric_sum(scraped: Any, sample: str, **labels: str) -> float:
     """The sum of the ``sample`` values (a series' name: ``visionserve_batch_size_sum``) of a /metrics scrape's
-    ``text`` whose labels include ``labels``: a version's series summed, as PromQL's sum() would (0 where none)."""
+    text, or of a registry (``scraped``: this process's, prometheus_client.REGISTRY), whose labels include
+    ``labels``: a version's series summed, as PromQL's sum() would (0 where none)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    return sum(found.value for family in text_string_to_metric_families(text) for found in family.samples
+    families = text_string_to_metric_families(scraped) if isinstance(scraped, str) else scraped.collect()
+    return sum(found.value for family in families for found in family.samples
                if found.name == sample and all(found.labels.get(name) == value for name, value in labels.items()))
 
 

@@ -90,8 +90,8 @@ def monitor_reference(control_dir: Path, taken: str) -> Path:
 def carry_over(predecessor: Path, control_dir: Path) -> list[str]:
     """What USR2's new master takes from the CONTROL_DIR of the master that started it into its own new one
     (``CARRIED_OVER``): the models' desired state (what calls and rollouts changed: an unload, a rollback, a held
-    default), its versions' drift references and their measured batch caps, each copied whole (written beside, then
-    put in its place); the names copied. Without it the new master served the repository's policies afresh: a
+    default), its versions' drift references and their measured batch caps, each copied whole (``_write_whole``);
+    the names copied. Without it the new master served the repository's policies afresh: a
     version rolled back from served again (an upgrade trial)."""
     copied = []
     for pattern in CARRIED_OVER:
@@ -100,18 +100,21 @@ def carry_over(predecessor: Path, control_dir: Path) -> list[str]:
                 data = found.read_bytes()  # (each written whole by its writer: write_json, or the same rename)
             except OSError:  # removed meanwhile (the old master stopping): nothing of it to take
                 continue
-            written = control_dir / f".{found.name}.{os.getpid()}.tmp"
-            written.write_bytes(data)
-            written.replace(control_dir / found.name)
+            _write_whole(control_dir / found.name, data)
             copied.append(found.name)
     return copied
 
 
 def write_json(path: Path, data: Any) -> None:
-    """``data`` as JSON in ``path`` of a CONTROL_DIR, whole or not at all for any reader (written beside it, then
-    put in its place: a process reads the old file or the new one, never half of one)."""
+    """``data`` as JSON in ``path`` of a CONTROL_DIR, whole or not at all for any reader (``_write_whole``)."""
+    _write_whole(path, json.dumps(data, sort_keys=True).encode("utf-8"))
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    """``data`` in ``path``, written beside it, then put in its place: a process reads the old file or the new one,
+    never half of one."""
     written = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    written.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
+    written.write_bytes(data)
     written.replace(path)
 
 

@@ -72,19 +72,21 @@ def made_here(path: str) -> bool:
     return path in _HELD
 
 
-def hand_over(path: str, environ: MutableMapping[str, str]) -> None:
+def hand_over(path: str, environ: MutableMapping[str, str]) -> bool:
     """USR2's new master, forked and about to be executed (gunicorn's ``pre_exec``), given ``path``, a directory this
     master made, in ``environ`` (what it is executed with) and a lock of its own on it (a descriptor it keeps across
     the exec, named in ``HANDED_OVER``): from then on this master's exit leaves the directory to it, and a master
-    starting meanwhile sees it held. Where the lock cannot be taken (the directory gone), nothing is handed over."""
+    starting meanwhile sees it held. Whether it was: where the lock cannot be taken (the directory gone), nothing
+    is."""
     environ.pop(HANDED_OVER, None)  # (what this master was handed itself, in the environment it started with)
     try:
         fd = os.open(os.path.join(path, HELD_WHILE_IN_USE), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
-        return
+        return False
     fcntl.flock(fd, fcntl.LOCK_SH)
     os.set_inheritable(fd, True)
     environ[HANDED_OVER] = f"{fd}:{path}"
+    return True
 
 
 def adopt(environ: MutableMapping[str, str]) -> str | None:

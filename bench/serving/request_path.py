@@ -76,12 +76,11 @@ def _counters() -> dict[str, float]:
     """This process's images run and CPU seconds per stage, from the server's own metrics."""
     from prometheus_client import REGISTRY
 
-    def summed(sample: str, **labels: str) -> float:  # over the versions' series
-        return sum(found.value for family in REGISTRY.collect() for found in family.samples
-                   if found.name == sample and all(found.labels.get(k) == v for k, v in labels.items()))
+    from harness.servers import metric_sum  # (over the versions' series)
 
-    return {"images": summed("visionserve_batch_size_sum"),
-            **{stage: summed("visionserve_stage_cpu_seconds_total", stage=stage) for stage in ("decode", "forward")}}
+    return {"images": metric_sum(REGISTRY, "visionserve_batch_size_sum"),
+            **{stage: metric_sum(REGISTRY, "visionserve_stage_cpu_seconds_total", stage=stage)
+               for stage in ("decode", "forward")}}
 
 
 def _measure(weights: Path, workers: int, bodies: Sequence[bytes], content_type: str, rounds: int,

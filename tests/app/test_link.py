@@ -41,6 +41,7 @@ from app.link.decode_shares import HAND_OFF_S, LOOP_IMAGE_MAX_S, PROBE_EVERY_S, 
 from app.link.gathering import YIELD_WEIGHT
 from app.link.loop import EngineServer
 from app.metrics import VERSION_REQUESTS
+from harness.servers import metric_sum
 from tests.support.fakes import ColourModel, FakeRepository, OtherInputRepository, infer, tiny_manifest, wait_until
 from tests.support.imaging import BLUE, RED, image_bytes
 from tests.support.loop import LoopWorker
@@ -1001,18 +1002,12 @@ def test_named_photos_run_as_one_bundle_and_a_bad_one_is_answered_apart_under_it
     wait_until(lambda: _outcome_counts(served)["ok"] == before["ok"] + 5 and _all_let_go(served))
 
 
-def _registry_sum(sample: str, **labels: str) -> float:
-    """This process's ``sample`` values whose labels include ``labels``, summed over the versions' series."""
-    return sum(found.value for family in REGISTRY.collect() for found in family.samples
-               if found.name == sample and all(found.labels.get(k) == v for k, v in labels.items()))
-
-
 def _decodes() -> float:
-    return _registry_sum("visionserve_stage_duration_seconds_count", stage="decode")
+    return metric_sum(REGISTRY, "visionserve_stage_duration_seconds_count", stage="decode")
 
 
 def _client_gone() -> float:
-    return _registry_sum("visionserve_batcher_events_total", event="client_gone")
+    return metric_sum(REGISTRY, "visionserve_batcher_events_total", event="client_gone")
 
 
 def test_each_photo_of_a_bundle_is_timed_and_counted_as_its_own_request_s_decode(
